@@ -1,0 +1,1 @@
+"""Console entry points (these may print; the library logs)."""

@@ -1,0 +1,179 @@
+"""``chameleon-train``: a Megatron-core GPT on the emulated device, without and with Chameleon.
+
+Three runs of the same model and data: (1) a reference on an unconstrained emulated device, (2) without
+Chameleon on a device smaller than the model's unswapped peak (runs out of memory), (3) with Chameleon on
+that device (trains; losses and final parameters bit-identical to the reference). Writes a run folder
+with ``report.json`` and ``memory.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from chameleon_dist.config import ChameleonConfig, ConfigError
+from chameleon_dist.units import format_bytes
+
+MiB = 2**20
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="chameleon-train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, help="YAML job file merged over configs/jobs/train_gpt_cpu.yaml")
+    parser.add_argument("--iterations", type=int, help="override train.iterations")
+    parser.add_argument("--capacity", help='override chameleon.device.capacity (e.g. "96MiB")')
+    parser.add_argument("--run-dir", type=Path, default=Path("runs"), help="where run folders go (default: runs/)")
+    parser.add_argument("--log-level", default="WARNING", help="library log level (default: WARNING)")
+    return parser.parse_args(argv)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    overrides: dict = {}
+    if args.iterations is not None:
+        overrides["train"] = {"iterations": args.iterations}
+    if args.capacity is not None:
+        overrides["chameleon"] = {"device": {"capacity": args.capacity}}
+    return overrides
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:.1f}"
+
+
+def _progress_line(result, report, loss) -> None:
+    total = len(result.reports) and result.reports[-1].iteration
+    swapped = (
+        f" | out {_mib(report.swap_out_bytes)} in {_mib(report.swap_in_bytes)} MiB | stall {report.stall_s * 1e3:5.0f} ms"
+        if report.stage != "disabled"
+        else ""
+    )
+    capacity = "" if report.capacity_bytes >= sys.maxsize else f"/{_mib(report.capacity_bytes)}"
+    print(
+        f"  iter {total:3d} | loss {loss.item():.4f} | stage {report.stage:8s} | peak "
+        f"{_mib(report.peak_device_bytes)}{capacity} MiB{swapped} | {report.iteration_s:.2f} s",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from chameleon_dist.cli import train_job  # imports Megatron: after argument parsing
+    from chameleon_dist.cli.plot import plot_memory
+    from chameleon_dist.integrations.megatron.gpt import megatron_cpu_session
+
+    try:
+        job = train_job.load_job(args.config, _overrides(args))
+    except ConfigError as exc:
+        print(f"chameleon-train: {exc}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir / f"chameleon-train-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shape, settings, config = job.model, job.train, job.chameleon
+    disabled = config.model_copy(update={"enabled": False})
+    enabled = config.model_copy(update={"enabled": True})
+
+    with megatron_cpu_session(seed=settings.seed):
+        device = train_job.constrained_device(enabled)
+        link = (
+            device.calibration.describe() if device.calibration is not None
+            else f"emulated link H2D {_rate(device.h2d.bytes_per_s)}, D2H {_rate(device.d2h.bytes_per_s)}"
+        )
+        print(
+            f"chameleon-train: Megatron-core GPTModel ({shape.num_layers} layers, hidden {shape.hidden_size}, "
+            f"{shape.num_attention_heads} heads, seq {shape.seq_length}, micro-batch {shape.micro_batch_size} x "
+            f"{settings.micro_batches}) for {settings.iterations} iterations on an EMULATED device of "
+            f"{format_bytes(device.capacity_bytes)}; {link}",
+            flush=True,
+        )
+        print("[1/3] reference: unconstrained emulated device, no swapping", flush=True)
+        reference = train_job.train(job, "reference", disabled, train_job.unconstrained_device(), _progress_line)
+        print(f"[2/3] without Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
+        without = train_job.train(job, "without", disabled, train_job.constrained_device(disabled))
+        print("  " + _outcome(without, settings.iterations), flush=True)
+        print(f"[3/3] with Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
+        with_chameleon = train_job.train(job, "with", enabled, device, _progress_line)
+    parity = train_job.compare(reference, with_chameleon)
+
+    runs = [("reference (unconstrained)", reference), ("without Chameleon", without), ("with Chameleon", with_chameleon)]
+    print(_summary(runs, settings.iterations, parity, device.capacity_bytes))
+    if without.out_of_memory is None:
+        print(
+            f"note: without Chameleon the run fit in {format_bytes(device.capacity_bytes)}; set "
+            f"chameleon.device.capacity below the reference peak ({format_bytes(reference.peak_bytes())}) to see the contrast"
+        )
+    plot = plot_memory(
+        run_dir / "memory.png",
+        {
+            f"without swap (reference, peak {_mib(reference.peak_bytes())} MiB)": reference.timeline_bytes,
+            f"with Chameleon (peak {_mib(with_chameleon.peak_bytes())} MiB)": with_chameleon.timeline_bytes,
+        },
+        device.capacity_bytes,
+        f"GPT {shape.num_layers}x{shape.hidden_size}, iteration {settings.timeline_iteration}: device memory (emulated)",
+    )
+    report = {
+        "emulated": True,
+        "job": job.model_dump(mode="json"),
+        "device": {"name": device.name, "capacity_bytes": device.capacity_bytes,
+                   "h2d_bytes_per_s": device.h2d.bytes_per_s, "d2h_bytes_per_s": device.d2h.bytes_per_s},
+        "runs": {result.label: _run_json(result) for _, result in runs},
+        "parity": {**vars(parity), "bit_identical": parity.bit_identical},
+    }
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"run folder: {run_dir}/ (report.json, {plot.name})")
+    return 0 if with_chameleon.completed == settings.iterations and parity.bit_identical else 1
+
+
+def _rate(bytes_per_s: float | None) -> str:
+    return "instant" if bytes_per_s is None else f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
+def _outcome(result, iterations: int) -> str:
+    oom = result.out_of_memory
+    if oom is None:
+        return f"completed {result.completed}/{iterations} iterations"
+    return (
+        f"OUT OF MEMORY in iteration {oom.iteration} at {oom.op_name} (op #{oom.op_index}): tried to allocate "
+        f"{format_bytes(oom.requested_bytes)} with {format_bytes(oom.live_bytes)} of {format_bytes(oom.capacity_bytes)} in use"
+    )
+
+
+def _summary(runs, iterations: int, parity, capacity_bytes: int) -> str:
+    header = f"{'run':27s} | {'iterations':>10s} | {'peak MiB':>8s} | {'out MiB/it':>10s} | {'stall ms/it':>11s} | {'s/it':>5s} | result"
+    lines = ["", f"Summary (emulated device, capacity {_mib(capacity_bytes)} MiB)", header, "-" * len(header)]
+    for name, result in runs:
+        done = f"{result.completed}/{iterations}"
+        oom = result.out_of_memory
+        outcome = "ok" if oom is None else f"OOM at iteration {oom.iteration}, {oom.op_name}"
+        lines.append(
+            f"{name:27s} | {done:>10s} | {_mib(result.peak_bytes()):>8s} | {_mib(result.mean('swap_out_bytes')):>10s} | "
+            f"{result.mean('stall_s') * 1e3:>11.1f} | {result.mean('iteration_s'):>5.2f} | {outcome}"
+        )
+    verdict = "yes" if parity.bit_identical else "NO"
+    lines.append(
+        f"bit-identical to the reference: {verdict} (losses {parity.losses_equal}/{parity.losses_compared} "
+        f"torch.equal, final parameters {parity.parameters_equal}/{parity.parameters_compared} torch.equal)"
+    )
+    return "\n".join(lines)
+
+
+def _run_json(result) -> dict:
+    return {
+        "completed_iterations": result.completed,
+        "losses": [loss.item() for loss in result.losses],
+        "out_of_memory": None if result.out_of_memory is None else vars(result.out_of_memory),
+        "peak_device_bytes": result.peak_bytes(),
+        "wall_s": result.wall_s,
+        "iterations": [r.to_dict() for r in result.reports],
+        "timeline_bytes": result.timeline_bytes,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""The main job's training runs: a Megatron-core GPT on the emulated device, with and without Chameleon."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError
+
+from chameleon_dist.config import ChameleonConfig, ConfigError
+from chameleon_dist.device import EmulatedDevice, EmulatedOutOfMemoryError
+from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.integrations.megatron.gpt import GPTShape, build_gpt, gpt_loss, synthetic_batch
+from chameleon_dist.report import IterationReport
+from chameleon_dist.runtime import Chameleon
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_JOB = Path(__file__).resolve().parents[2] / "configs" / "jobs" / "train_gpt_cpu.yaml"
+
+
+class TrainSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    iterations: PositiveInt = 30
+    micro_batches: PositiveInt = 1
+    lr: PositiveFloat = 1e-3
+    seed: int = 1234
+    timeline_iteration: PositiveInt = 2
+
+
+class TrainJob(BaseModel):
+    """A ``chameleon-train`` job file: the model, the loop, and the ``chameleon`` block."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: GPTShape
+    train: TrainSettings = TrainSettings()
+    chameleon: ChameleonConfig
+
+
+def _merge(base: dict, override: dict) -> dict:
+    merged = dict(base)
+    for key, value in override.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such job file (pass --config PATH to a YAML job file)"])
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: a job file is a mapping with model, train and chameleon sections"])
+    return data
+
+
+def load_job(path: Path | None = None, overrides: dict | None = None) -> TrainJob:
+    """The default job, with ``path`` (a YAML job file) and ``overrides`` merged over it."""
+    data = _read_yaml(DEFAULT_JOB)
+    if path is not None:
+        data = _merge(data, _read_yaml(Path(path)))
+    data = _merge(data, overrides or {})
+    try:
+        return TrainJob.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError.from_validation_error(exc, source=str(path or DEFAULT_JOB)) from None
+
+
+@dataclasses.dataclass
+class OutOfMemory:
+    iteration: int
+    op_name: str
+    op_index: int
+    requested_bytes: int
+    live_bytes: int
+    capacity_bytes: int
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    losses: list[torch.Tensor]
+    reports: list[IterationReport]
+    timeline_bytes: list[int]
+    out_of_memory: OutOfMemory | None
+    final_parameters: list[torch.Tensor]
+    wall_s: float
+
+    @property
+    def completed(self) -> int:
+        return len(self.losses)
+
+    def peak_bytes(self) -> int:
+        return max((r.peak_device_bytes for r in self.reports), default=0)
+
+    def mean(self, field: str) -> float:
+        return sum(getattr(r, field) for r in self.reports) / max(len(self.reports), 1)
+
+
+ProgressFn = Callable[[RunResult, IterationReport, torch.Tensor], None]
+
+
+def unconstrained_device() -> EmulatedDevice:
+    return EmulatedDevice(capacity_bytes=UNBOUNDED_CAPACITY_BYTES)
+
+
+def constrained_device(config: ChameleonConfig) -> EmulatedDevice:
+    settings = config.device
+    if settings.capacity is None:
+        raise ConfigError(["chameleon.device.capacity: the main job needs an emulated capacity (e.g. \"96MiB\")"])
+    return EmulatedDevice(
+        capacity_bytes=settings.capacity,
+        h2d_bytes_per_s=settings.h2d_bytes_per_s,
+        d2h_bytes_per_s=settings.d2h_bytes_per_s,
+        preset=settings.preset,
+        host_memory_budget_bytes=config.host_memory_budget_bytes(),
+    )
+
+
+def train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedDevice, progress: ProgressFn | None = None) -> RunResult:
+    """Train ``job.train.iterations`` iterations (inside a megatron_cpu_session); stop at an OOM."""
+    settings = job.train
+    model = build_gpt(job.model, seed=settings.seed)
+    chameleon = Chameleon(config, device=device)
+    chameleon.attach(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    result = RunResult(label, [], [], [], None, [], 0.0)
+    start_s = time.perf_counter()
+    for iteration in range(1, settings.iterations + 1):
+        def closure() -> torch.Tensor:
+            total = torch.zeros(())
+            for micro in range(settings.micro_batches):
+                batch = synthetic_batch(job.model, (iteration - 1) * settings.micro_batches + micro, settings.seed)
+                loss = gpt_loss(model, batch) / settings.micro_batches
+                loss.backward()
+                total += loss.detach()
+            return total
+
+        try:
+            if iteration == settings.timeline_iteration:
+                with device.meter.recording_timeline() as samples:
+                    loss = chameleon.run_iteration(closure, optimizer=optimizer)
+                result.timeline_bytes = samples
+            else:
+                loss = chameleon.run_iteration(closure, optimizer=optimizer)
+        except EmulatedOutOfMemoryError as exc:
+            result.out_of_memory = OutOfMemory(
+                iteration, exc.op_name, exc.op_index, exc.requested_bytes, exc.live_bytes, exc.capacity_bytes
+            )
+            break
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+        result.losses.append(loss)
+        result.reports.append(chameleon.last_report)
+        if progress is not None:
+            progress(result, chameleon.last_report, loss)
+    result.wall_s = time.perf_counter() - start_s
+    result.final_parameters = [p.detach().clone() for p in model.parameters()]
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Parity:
+    losses_equal: int
+    losses_compared: int
+    parameters_equal: int
+    parameters_compared: int
+
+    @property
+    def bit_identical(self) -> bool:
+        return (
+            self.losses_compared > 0
+            and self.losses_equal == self.losses_compared
+            and self.parameters_equal == self.parameters_compared
+        )
+
+
+def compare(reference: RunResult, candidate: RunResult) -> Parity:
+    """torch.equal on every loss and on every final parameter (which integrate every gradient)."""
+    pairs = list(zip(reference.losses, candidate.losses))
+    params = list(zip(reference.final_parameters, candidate.final_parameters))
+    complete = candidate.completed == reference.completed
+    return Parity(
+        losses_equal=sum(torch.equal(a, b) for a, b in pairs),
+        losses_compared=len(pairs),
+        parameters_equal=sum(torch.equal(a, b) for a, b in params) if complete else 0,
+        parameters_compared=len(params),
+    )
+
+
+def job_summary(job: TrainJob) -> dict[str, Any]:
+    return job.model_dump(mode="json")

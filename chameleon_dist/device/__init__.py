@@ -1,0 +1,33 @@
+"""Devices: the ``Device`` protocol, the real ``CudaDevice`` and the CPU ``EmulatedDevice``.
+
+``CudaDevice`` is imported lazily so that importing this package never touches CUDA.
+"""
+
+from chameleon_dist.device.base import CopyHandle, Device, byte_view
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device.factory import make_device
+from chameleon_dist.device.host_pool import HostBufferPool
+from chameleon_dist.device.meter import EmulatedOutOfMemoryError
+from chameleon_dist.device.presets import PRESETS, AcceleratorPreset, calibrate
+
+__all__ = [
+    "AcceleratorPreset",
+    "CopyHandle",
+    "CudaDevice",
+    "Device",
+    "EmulatedDevice",
+    "EmulatedOutOfMemoryError",
+    "HostBufferPool",
+    "PRESETS",
+    "byte_view",
+    "calibrate",
+    "make_device",
+]
+
+
+def __getattr__(name: str):
+    if name == "CudaDevice":
+        from chameleon_dist.device.cuda import CudaDevice
+
+        return CudaDevice
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,49 @@
+"""Build the ``Device`` a configuration asks for."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from chameleon_dist.device.base import Device
+from chameleon_dist.device.emulated import EmulatedDevice
+
+if TYPE_CHECKING:
+    from chameleon_dist.config import ChameleonConfig
+
+logger = logging.getLogger(__name__)
+
+UNBOUNDED_CAPACITY_BYTES = sys.maxsize
+
+
+def accelerator_is_cuda() -> bool:
+    """True when a CUDA accelerator is present (does not initialise it)."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator is not None and accelerator.type == "cuda"
+
+
+def make_device(config: "ChameleonConfig") -> Device:
+    """``device.kind``: "cuda", "emulated", or "auto" (CUDA when present, else the emulated device)."""
+    settings = config.device
+    kind = settings.kind
+    if kind == "auto":
+        kind = "cuda" if accelerator_is_cuda() else "emulated"
+    host_budget_bytes = config.host_memory_budget_bytes()
+    if kind == "cuda":
+        from chameleon_dist.device.cuda import CudaDevice
+
+        return CudaDevice(capacity_bytes=settings.capacity, host_memory_budget_bytes=host_budget_bytes)
+    capacity_bytes = settings.capacity
+    if capacity_bytes is None:
+        logger.info("emulated device without device.capacity: memory is metered but never runs out")
+        capacity_bytes = UNBOUNDED_CAPACITY_BYTES
+    return EmulatedDevice(
+        capacity_bytes=capacity_bytes,
+        h2d_bytes_per_s=settings.h2d_bytes_per_s,
+        d2h_bytes_per_s=settings.d2h_bytes_per_s,
+        preset=settings.preset,
+        host_memory_budget_bytes=host_budget_bytes,
+    )

@@ -1,0 +1,103 @@
+"""What the swap executor hands autograd instead of a saved tensor.
+
+``SwapEntry`` is one device storage on its way to the host and back (shared by every saved tensor that
+views it); ``SwapRecord`` is one saved tensor: which entry, and how to rebuild the exact view (dtype,
+size, stride, storage offset) plus what autograd would check on unpack (the version counter).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from chameleon_dist.device.base import CopyHandle, Device
+
+
+class SwapEntry:
+    """One storage swapped out. Host buffer and restored device bytes live as long as the entry."""
+
+    __slots__ = ("nbytes", "version", "position", "to_host", "to_device", "device_bytes", "_device", "__weakref__")
+
+    def __init__(self, device: "Device", to_host: "CopyHandle", version: int, position: int) -> None:
+        self.nbytes = to_host.nbytes
+        self.version = version
+        self.position = position  # index in the iteration's swap-out order
+        self.to_host: CopyHandle | None = to_host
+        self.to_device: CopyHandle | None = None
+        self.device_bytes: torch.Tensor | None = None
+        self._device = device
+
+    @property
+    def restored(self) -> bool:
+        return self.device_bytes is not None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.to_device is not None
+
+    def start_swap_in(self) -> bool:
+        """Start the host->device copy unless it is under way or done; True if this call started it."""
+        if self.device_bytes is not None or self.to_device is not None:
+            return False
+        host = self._device.wait(self.to_host)  # the swap-out must have landed before it is read back
+        self.to_device = self._device.copy_to_device(host)
+        return True
+
+    def finish_swap_in(self) -> torch.Tensor:
+        """The device bytes, waiting for the copy if needed; the host buffer goes back to the pool."""
+        if self.device_bytes is None:
+            self.start_swap_in()
+            self.device_bytes = self._device.wait(self.to_device)
+            self._device.release_host(self.to_host.result)
+            self.to_host = None
+            self.to_device = None
+        return self.device_bytes
+
+    def __del__(self) -> None:
+        # Never unpacked (no backward, an exception, a validation pass with grad on): the host buffer
+        # goes back once its copy is complete.
+        to_host = self.to_host
+        if to_host is not None and self.to_device is None:
+            try:
+                self._device.wait(to_host)
+                self._device.release_host(to_host.result)
+            except Exception:  # noqa: BLE001 - a destructor must not raise; the buffer is simply dropped
+                pass
+
+
+class SwapRecord:
+    """One saved tensor that was swapped out (its storage lives in ``entry``)."""
+
+    __slots__ = ("entry", "dtype", "size", "stride", "storage_offset", "version", "base", "description")
+
+    def __init__(self, entry: SwapEntry, tensor: torch.Tensor) -> None:
+        self.entry = entry
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.storage_offset = tensor.storage_offset()
+        self.version = tensor._version
+        root = tensor._base if tensor._base is not None else tensor
+        self.base = weakref.ref(root)  # shares the version counter of every view of this memory
+        self.description = f"torch.{type(tensor).__name__}{list(tensor.shape)} ({tensor.dtype})"
+
+    def check_version(self) -> None:
+        """Raise what autograd raises when a saved tensor was modified in place after it was saved.
+
+        (With saved-tensor hooks installed, PyTorch skips this check; the base tensor holds the version
+        counter shared by all its views, and if it is gone no view of it can be modified any more.)"""
+        root = self.base()
+        if root is not None and root._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{self.description}] is at version {root._version}; expected version "
+                f"{self.version} instead. (Reported by chameleon's swap executor, which saved it.)"
+            )
+
+    def rebuild(self, device_bytes: torch.Tensor) -> torch.Tensor:
+        """The saved tensor on the device again: same dtype, size, stride and offset over the bytes."""
+        tensor = torch.empty(0, dtype=self.dtype, device=device_bytes.device)
+        return tensor.set_(device_bytes.untyped_storage(), self.storage_offset, self.size, self.stride)

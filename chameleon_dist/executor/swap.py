@@ -1,0 +1,185 @@
+"""The baseline swap executor: saved-tensor hooks that move activations to the host and back.
+
+Every saved activation whose storage holds at least ``min_swap_bytes`` leaves the device asynchronously
+when autograd saves it and comes back when backward needs it, with the next ``prefetch_depth`` swapped
+storages (in reverse save order, the order backward usually needs them) brought back ahead of time.
+Never swapped: parameters and views of parameters, tensors that are not plain dense device tensors, and
+anything packed while a backward pass runs (recompute inside backward). Values are copied byte for byte
+and views are rebuilt with their exact strides, so training stays bit-identical. A later issue replaces
+the "swap everything" rule by policy-driven decisions; the mechanics here stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import weakref
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from chameleon_dist.device.base import Device
+from chameleon_dist.device.meter import storage_key
+from chameleon_dist.executor.records import SwapEntry, SwapRecord
+from chameleon_dist.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SwapCounters:
+    """What the executor did during one iteration."""
+
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swapped_tensors: int = 0
+    kept_for_host_budget_bytes: int = 0
+    prefetched: int = 0
+
+
+class SwapExecutor:
+    """Installs the swap hooks for one iteration at a time (``active()``)."""
+
+    def __init__(self, device: Device, min_swap_bytes: int, prefetch_depth: int = 2) -> None:
+        if min_swap_bytes < 0:
+            raise ValueError(f"min_swap_bytes must be >= 0, got {min_swap_bytes}")
+        if prefetch_depth < 0:
+            raise ValueError(f"executor.prefetch_depth must be >= 0, got {prefetch_depth}")
+        self.device = device
+        self.min_swap_bytes = min_swap_bytes
+        self.prefetch_depth = prefetch_depth
+        self.counters = SwapCounters()
+        self._protected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._protected_keys: set[int] = set()
+        self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
+        self._order: list[weakref.ReferenceType[SwapEntry]] = []
+        self._host_budget_warned = False
+        self._swapped_since_release = False
+
+    # ---- setup ------------------------------------------------------------------------------
+    def protect(self, module: nn.Module) -> None:
+        """Never swap ``module``'s parameters, buffers, or views of them."""
+        self._protected.add(module)
+
+    def _refresh_protected(self) -> None:
+        keys = set()
+        for module in self._protected:
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                keys.add(storage_key(tensor.untyped_storage()))
+        self._protected_keys = keys
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[SwapCounters]:
+        """Swap during the block; yields this iteration's counters."""
+        self.counters = SwapCounters()
+        self._refresh_protected()
+        self._swapped_since_release = False
+        self._by_storage.clear()
+        self._order.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self.counters
+            self.device.release_pending()
+        finally:
+            self._by_storage.clear()
+            self._order.clear()
+    
+    # ---- hooks ------------------------------------------------------------------------------
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return False  # parameters, subclasses (DTensor, fake), sparse and nested tensors stay
+        if tensor.is_leaf and tensor.requires_grad:
+            return False
+        if torch._C._current_graph_task_id() != -1:
+            return False  # packed inside backward (recompute): it is needed right away
+        storage = tensor.untyped_storage()
+        if storage.nbytes() < max(self.min_swap_bytes, 1):
+            return False
+        if storage_key(storage) in self._protected_keys:
+            return False
+        return self.device.is_device_tensor(tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SwapRecord:
+        if not self._eligible(tensor):
+            return tensor
+        entry = self._entry_for(tensor)
+        if entry is None:
+            return tensor
+        return SwapRecord(entry, tensor)
+
+    def _entry_for(self, tensor: torch.Tensor) -> SwapEntry | None:
+        storage = tensor.untyped_storage()
+        key = storage_key(storage)
+        ref = self._by_storage.get(key)
+        entry = ref() if ref is not None else None
+        if entry is not None and entry.version == tensor._version:
+            return entry  # same bytes already on their way out: share the host copy
+        handle = self.device.copy_to_host(storage)
+        if handle is None:
+            self.counters.kept_for_host_budget_bytes += storage.nbytes()
+            if not self._host_budget_warned:
+                logger.warning(
+                    "host_memory_budget is full: keeping %s activations on the device (raise host_memory_budget)",
+                    format_bytes(storage.nbytes()),
+                )
+                self._host_budget_warned = True
+            return None
+        entry = SwapEntry(self.device, handle, tensor._version, position=len(self._order))
+        self._by_storage[key] = weakref.ref(entry)
+        weakref.finalize(storage, self._by_storage.pop, key, None)
+        self._order.append(weakref.ref(entry))
+        self.counters.swap_out_bytes += entry.nbytes
+        self._swapped_since_release = True
+        self.counters.swapped_tensors += 1
+        return entry
+
+    def _unpack(self, packed: torch.Tensor | SwapRecord) -> torch.Tensor:
+        if not isinstance(packed, SwapRecord):
+            return packed
+        packed.check_version()
+        if self._swapped_since_release:
+            # Planned release point: a backward pass begins, so every swap-out issued in the forward pass
+            # lets go of its device block, ordered after its copy (the emulated link does this itself).
+            self._swapped_since_release = False
+            self.device.release_pending()
+        entry = packed.entry
+        if not entry.restored:
+            self._swap_in(entry)
+            entry.finish_swap_in()
+            self._prefetch_before(entry)
+        return packed.rebuild(entry.device_bytes)
+
+    def _swap_in(self, entry: SwapEntry) -> None:
+        if entry.start_swap_in():
+            self.counters.swap_in_bytes += entry.nbytes
+
+    def _prefetch_before(self, entry: SwapEntry) -> None:
+        """Keep the next ``prefetch_depth`` storages backward will likely need (saved earlier) coming in."""
+        ahead = 0
+        for ref in reversed(self._order[: entry.position]):
+            if ahead >= self.prefetch_depth:
+                return
+            candidate = ref()
+            if candidate is None or candidate.restored:
+                continue
+            ahead += 1
+            if candidate.in_flight:
+                continue
+            try:
+                self._swap_in(candidate)
+            except torch.OutOfMemoryError:
+                logger.debug("prefetch skipped: no device memory for %s", format_bytes(candidate.nbytes))
+                return
+            self.counters.prefetched += 1
+
+    # ---- memory pressure --------------------------------------------------------------------
+    def relieve_pressure(self, short_bytes: int) -> int:
+        """Before an out-of-memory error: let pending swap-outs complete so their blocks are released."""
+        before = self.device.live_bytes()
+        self.device.release_pending()
+        self.device.synchronize()
+        freed = max(before - self.device.live_bytes(), 0)
+        logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
+        return freed

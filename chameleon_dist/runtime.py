@@ -1,0 +1,169 @@
+"""The per-rank ``Chameleon`` runtime: device, executor and (later) profiler and policy, for one rank.
+
+Usage from a plain PyTorch loop::
+
+    chameleon = Chameleon(config)              # a ChameleonConfig, a dict, a YAML/JSON path, or None
+    model = chameleon.attach(model)
+    for batch in data:
+        loss = chameleon.run_iteration(lambda: train_step(model, batch), optimizer=optimizer)
+        print(chameleon.last_report)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import time
+import weakref
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+from torch import nn
+
+from chameleon_dist.config import ChameleonConfig, load_config
+from chameleon_dist.device.base import Device
+from chameleon_dist.device.factory import make_device
+from chameleon_dist.executor.swap import SwapCounters, SwapExecutor
+from chameleon_dist.report import IterationReport
+from chameleon_dist.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Chameleon:
+    """One per rank. ``process_groups`` is kept for the distributed integrations (never created here)."""
+
+    def __init__(
+        self,
+        config: ChameleonConfig | dict | str | None = None,
+        device: Device | None = None,
+        process_groups: Any = None,
+    ) -> None:
+        self.config = load_config(config)
+        self.device = device if device is not None else make_device(self.config)
+        self.process_groups = process_groups
+        self.memory_budget_bytes = self.config.memory_budget_bytes(self.device.capacity_bytes)
+        self.executor = SwapExecutor(
+            self.device, self.config.min_swap_bytes, prefetch_depth=self.config.executor.prefetch_depth
+        )
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._iteration = 0
+        self._passive_swaps = 0
+        self._oom_retries = 0
+        self._in_iteration = False
+        self.last_report: IterationReport | None = None
+        self.device.set_pressure_handler(self._on_memory_pressure if self.config.enabled else None)
+        logger.info(
+            "chameleon %s on %s (memory budget %s, min_swap_bytes %s)",
+            "enabled" if self.config.enabled else "disabled (measuring only)",
+            self.device.name,
+            format_bytes(self.memory_budget_bytes),
+            format_bytes(self.config.min_swap_bytes),
+        )
+
+    @property
+    def stage(self) -> str:
+        return "baseline" if self.config.enabled else "disabled"
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Count ``model``'s parameters as device memory and keep them out of the swap path."""
+        self.device.track_module(model)
+        self.executor.protect(model)
+        self._models.add(model)
+        return model
+
+    @contextlib.contextmanager
+    def iteration(self) -> Iterator[None]:
+        """One whole training iteration (all micro-batches and the optimizer step)."""
+        if self._in_iteration:
+            raise RuntimeError("Chameleon.iteration() is already active: iterations cannot nest")
+        self._in_iteration = True
+        self._passive_swaps = 0
+        self._oom_retries = 0
+        stall_start_s = self.device.stall_s()
+        self.device.reset_peak()
+        start_s = time.perf_counter()
+        counters = SwapCounters()
+        try:
+            with self.device.active():
+                if self.config.enabled:
+                    with self.executor.active() as counters:
+                        yield
+                else:
+                    yield
+                num_ops = getattr(self.device, "op_count", None)
+        finally:
+            self._in_iteration = False
+        self._iteration += 1
+        self.last_report = self._report(counters, num_ops, time.perf_counter() - start_s, stall_start_s)
+        logger.debug("%s", self.last_report)
+
+    def run_iteration(self, closure: Callable[[], T], optimizer: torch.optim.Optimizer | None = None) -> T:
+        """Run ``closure`` (forward and backward of every micro-batch) inside ``iteration()``, then
+        ``optimizer.step()`` when given. On an out-of-memory error in the closure, gradients are cleared,
+        swapping is tightened and the closure runs again (up to ``executor.max_oom_retries`` times), so
+        the step is never lost and the optimizer never sees a half-accumulated gradient. Keep the
+        optimizer step out of the closure: a step that already changed parameters cannot be re-run."""
+        with self.iteration():
+            for attempt in range(self.config.executor.max_oom_retries + 1):
+                try:
+                    result = closure()
+                except torch.OutOfMemoryError as exc:
+                    if not self.config.enabled or attempt == self.config.executor.max_oom_retries:
+                        raise
+                    reason = str(exc)
+                else:
+                    if optimizer is not None:
+                        optimizer.step()
+                    return result
+                self._recover(reason)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _recover(self, reason: str) -> None:
+        self._oom_retries += 1
+        for model in self._models:
+            model.zero_grad(set_to_none=True)
+        gc.collect()  # the failed attempt's graph and its swapped entries go now
+        if self.executor.min_swap_bytes == 0:
+            raise torch.OutOfMemoryError(
+                f"{reason}\nChameleon already swaps every saved activation and the step still does not fit: "
+                "raise device.capacity / memory_budget, lower the micro-batch size, or add recomputation."
+            )
+        self.executor.min_swap_bytes //= 2
+        logger.warning(
+            "out of memory (%s); retrying the iteration with min_swap_bytes lowered to %s",
+            reason.splitlines()[0],
+            format_bytes(self.executor.min_swap_bytes),
+        )
+
+    def _on_memory_pressure(self, short_bytes: int) -> int:
+        freed_bytes = self.executor.relieve_pressure(short_bytes)
+        if freed_bytes > 0:
+            self._passive_swaps += 1
+        return freed_bytes
+
+    def _report(self, counters: SwapCounters, num_ops: int | None, iteration_s: float, stall_start_s: float) -> IterationReport:
+        return IterationReport(
+            iteration=self._iteration,
+            stage=self.stage,
+            peak_device_bytes=self.device.peak_bytes(),
+            capacity_bytes=self.device.capacity_bytes,
+            memory_budget_bytes=self.memory_budget_bytes,
+            swap_out_bytes=counters.swap_out_bytes,
+            swap_in_bytes=counters.swap_in_bytes,
+            swapped_tensors=counters.swapped_tensors,
+            prefetched=counters.prefetched,
+            kept_on_device_bytes=counters.kept_for_host_budget_bytes,
+            host_pool_bytes=self.device.host_pool.reserved_bytes,
+            stall_s=self.device.stall_s() - stall_start_s,
+            iteration_s=iteration_s,
+            policy_version=0,
+            num_ops=num_ops,
+            sequence_changed=None,
+            passive_swaps=self._passive_swaps,
+            oom_retries=self._oom_retries,
+            emulated=self.device.emulated,
+        )

@@ -1,0 +1,120 @@
+"""The house rules of DESIGN.md section 3, enforced on the source tree."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "chameleon_dist"
+
+# Which top-level parts of chameleon_dist each part may import (DESIGN.md section 3).
+ALLOWED = {
+    "units": set(),
+    "config": {"units"},
+    "patching": {"units"},
+    "trace": {"units"},
+    "device": {"units", "trace"},
+    "profiler": {"units", "trace", "device"},
+    "policy": {"units", "trace"},
+    "executor": {"units", "trace", "policy", "device"},
+    "planner": {"units", "trace", "policy", "config"},
+    "report": {"units"},
+    "runtime": {"units", "config", "trace", "device", "profiler", "policy", "executor", "planner", "report"},
+    "integrations": None,  # anything
+    "cli": None,
+    "__init__": {"units", "config", "device", "report", "runtime"},
+}
+
+# The only files that may name torch.cuda: the CUDA device, and the shims that stand in for torch.cuda
+# functions Megatron calls when it runs on a CPU machine.
+CUDA_ALLOWED = {"device/cuda.py", "integrations/megatron/cuda_on_cpu.py"}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        yield rel, ast.parse(path.read_text(), filename=str(path))
+
+
+def _part(rel: Path) -> str:
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imports(tree):
+    """Imported module names, skipping ``if TYPE_CHECKING:`` blocks (annotations only)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            skip.update(id(n) for n in ast.walk(node))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_frameworks_are_imported_only_in_integrations():
+    offenders = [
+        f"{rel}: imports {name}"
+        for rel, tree in _modules()
+        if rel.parts[0] != "integrations"
+        for name in _imports(tree)
+        if name.split(".")[0] in {"megatron", "deepspeed"}
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_parts_import_only_what_the_design_allows():
+    offenders = []
+    for rel, tree in _modules():
+        part = _part(rel)
+        assert part in ALLOWED, f"{rel}: new top-level part {part!r}: add it to ALLOWED with its rule"
+        allowed = ALLOWED[part]
+        if allowed is None:
+            continue
+        for name in _imports(tree):
+            pieces = name.split(".")
+            if pieces[0] == "chameleon_dist" and len(pieces) > 1 and pieces[1] != part and pieces[1] not in allowed:
+                offenders.append(f"{rel}: imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_torch_cuda_is_named_only_by_the_cuda_device():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        text = path.read_text()
+        if rel not in CUDA_ALLOWED and ("torch.cuda" in text or ".cuda(" in text):
+            offenders.append(rel)
+    assert not offenders, offenders
+
+
+def test_import_initialises_no_cuda_and_no_framework():
+    code = (
+        "import sys, torch, chameleon_dist, chameleon_dist.device, chameleon_dist.executor, chameleon_dist.runtime\n"
+        "from chameleon_dist import Chameleon, ChameleonConfig, EmulatedDevice, CudaDevice\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'deepspeed'))\n"
+        "assert not bad, bad\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_library_logs_instead_of_printing():
+    offenders = []
+    for rel, tree in _modules():
+        if _part(rel) == "cli":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_modules_stay_small():
+    big = [f"{rel} ({n} lines)" for rel, n in ((p.relative_to(PACKAGE), len(p.read_text().splitlines())) for p in PACKAGE.rglob("*.py")) if n > 600]
+    assert not big, big
