@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+TIGHTEN_FACTOR = 16
+"""After an out-of-memory error, ``min_swap_bytes`` is divided by this (and goes to 0 below 1 KiB)."""
+
 
 class Chameleon:
     """One per rank. ``process_groups`` is kept for the distributed integrations (never created here)."""
@@ -132,7 +135,9 @@ class Chameleon:
                 f"{reason}\nChameleon already swaps every saved activation and the step still does not fit: "
                 "raise device.capacity / memory_budget, lower the micro-batch size, or add recomputation."
             )
-        self.executor.min_swap_bytes //= 2
+        self.executor.min_swap_bytes //= TIGHTEN_FACTOR
+        if self.executor.min_swap_bytes < 1024:
+            self.executor.min_swap_bytes = 0
         logger.warning(
             "out of memory (%s); retrying the iteration with min_swap_bytes lowered to %s",
             reason.splitlines()[0],

@@ -163,3 +163,32 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("min_swap_bytes", [0, 2**30], ids=["swapped", "kept"])
+def test_forward_without_backward_frees_everything(min_swap_bytes):
+    """A graph that is never run backward (an abandoned step, a forward pass with grad on) must be freed
+    once its outputs die, whether its saved tensors were swapped or kept."""
+    model = make_lm(0)
+    chameleon = Chameleon(_config(min_swap_bytes=min_swap_bytes))
+    chameleon.attach(model)
+    at_rest = chameleon.device.live_bytes()
+    tokens, labels = lm_batch(0)
+    with chameleon.iteration():
+        loss = lm_loss(model, tokens, labels)
+        assert chameleon.device.live_bytes() > at_rest
+        del loss
+    chameleon.device.synchronize()
+    assert chameleon.device.live_bytes() == at_rest
+
+
+def test_in_place_change_of_a_kept_tensor_still_raises():
+    chameleon = Chameleon(_config(min_swap_bytes=2**30))  # nothing is swapped
+    x = torch.randn(64, 64, requires_grad=True)
+    with chameleon.iteration():
+        y = x * 2
+        z = y.sin()
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="expected version 0"):
+            z.sum().backward()
+    assert chameleon.last_report.swap_out_bytes == 0

@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from chameleon_dist.cli import train_job  # imports Megatron: after argument parsing
     from chameleon_dist.cli.plot import plot_memory
-    from chameleon_dist.integrations.megatron.gpt import megatron_cpu_session
 
     try:
         job = train_job.load_job(args.config, _overrides(args))
@@ -79,26 +78,25 @@ def main(argv: list[str] | None = None) -> int:
     disabled = config.model_copy(update={"enabled": False})
     enabled = config.model_copy(update={"enabled": True})
 
-    with megatron_cpu_session(seed=settings.seed):
-        device = train_job.constrained_device(enabled)
-        link = (
-            device.calibration.describe() if device.calibration is not None
-            else f"emulated link H2D {_rate(device.h2d.bytes_per_s)}, D2H {_rate(device.d2h.bytes_per_s)}"
-        )
-        print(
-            f"chameleon-train: Megatron-core GPTModel ({shape.num_layers} layers, hidden {shape.hidden_size}, "
-            f"{shape.num_attention_heads} heads, seq {shape.seq_length}, micro-batch {shape.micro_batch_size} x "
-            f"{settings.micro_batches}) for {settings.iterations} iterations on an EMULATED device of "
-            f"{format_bytes(device.capacity_bytes)}; {link}",
-            flush=True,
-        )
-        print("[1/3] reference: unconstrained emulated device, no swapping", flush=True)
-        reference = train_job.train(job, "reference", disabled, train_job.unconstrained_device(), _progress_line)
-        print(f"[2/3] without Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
-        without = train_job.train(job, "without", disabled, train_job.constrained_device(disabled))
-        print("  " + _outcome(without, settings.iterations), flush=True)
-        print(f"[3/3] with Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
-        with_chameleon = train_job.train(job, "with", enabled, device, _progress_line)
+    device = train_job.constrained_device(enabled)
+    link = (
+        device.calibration.describe() if device.calibration is not None
+        else f"emulated link H2D {_rate(device.h2d.bytes_per_s)}, D2H {_rate(device.d2h.bytes_per_s)}"
+    )
+    print(
+        f"chameleon-train: Megatron-core GPTModel ({shape.num_layers} layers, hidden {shape.hidden_size}, "
+        f"{shape.num_attention_heads} heads, seq {shape.seq_length}, micro-batch {shape.micro_batch_size} x "
+        f"{settings.micro_batches}) for {settings.iterations} iterations on an EMULATED device of "
+        f"{format_bytes(device.capacity_bytes)}; {link}",
+        flush=True,
+    )
+    print("[1/3] reference: unconstrained emulated device, no swapping", flush=True)
+    reference = train_job.train(job, "reference", disabled, train_job.unconstrained_device(), _progress_line)
+    print(f"[2/3] without Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
+    without = train_job.train(job, "without", disabled, train_job.constrained_device(disabled))
+    print("  " + _outcome(without, settings.iterations), flush=True)
+    print(f"[3/3] with Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
+    with_chameleon = train_job.train(job, "with", enabled, device, _progress_line)
     parity = train_job.compare(reference, with_chameleon)
 
     runs = [("reference (unconstrained)", reference), ("without Chameleon", without), ("with Chameleon", with_chameleon)]
@@ -151,10 +149,14 @@ def _summary(runs, iterations: int, parity, capacity_bytes: int) -> str:
         done = f"{result.completed}/{iterations}"
         oom = result.out_of_memory
         outcome = "ok" if oom is None else f"OOM at iteration {oom.iteration}, {oom.op_name}"
-        lines.append(
-            f"{name:27s} | {done:>10s} | {_mib(result.peak_bytes()):>8s} | {_mib(result.mean('swap_out_bytes')):>10s} | "
-            f"{result.mean('stall_s') * 1e3:>11.1f} | {result.mean('iteration_s'):>5.2f} | {outcome}"
-        )
+        if result.reports:
+            figures = (
+                f"{_mib(result.peak_bytes()):>8s} | {_mib(result.mean('swap_out_bytes')):>10s} | "
+                f"{result.mean('stall_s') * 1e3:>11.1f} | {result.mean('iteration_s'):>5.2f}"
+            )
+        else:
+            figures = f"{'-':>8s} | {'-':>10s} | {'-':>11s} | {'-':>5s}"
+        lines.append(f"{name:27s} | {done:>10s} | {figures} | {outcome}")
     verdict = "yes" if parity.bit_identical else "NO"
     lines.append(
         f"bit-identical to the reference: {verdict} (losses {parity.losses_equal}/{parity.losses_compared} "

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, Validati
 from chameleon_dist.config import ChameleonConfig, ConfigError
 from chameleon_dist.device import EmulatedDevice, EmulatedOutOfMemoryError
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.integrations.megatron.gpt import GPTShape, build_gpt, gpt_loss, synthetic_batch
+from chameleon_dist.integrations.megatron.gpt import GPTShape, build_gpt, gpt_loss, megatron_cpu_session, synthetic_batch
 from chameleon_dist.report import IterationReport
 from chameleon_dist.runtime import Chameleon
 
@@ -124,7 +124,15 @@ def constrained_device(config: ChameleonConfig) -> EmulatedDevice:
 
 
 def train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedDevice, progress: ProgressFn | None = None) -> RunResult:
-    """Train ``job.train.iterations`` iterations (inside a megatron_cpu_session); stop at an OOM."""
+    """Train ``job.train.iterations`` iterations in a fresh Megatron CPU session; stop at an OOM.
+
+    Each run gets its own session so that framework buffers (Megatron's global memory buffer) are made,
+    and metered, inside the run that uses them."""
+    with megatron_cpu_session(seed=job.train.seed):
+        return _train(job, label, config, device, progress)
+
+
+def _train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedDevice, progress: ProgressFn | None) -> RunResult:
     settings = job.train
     model = build_gpt(job.model, seed=settings.seed)
     chameleon = Chameleon(config, device=device)
@@ -133,10 +141,15 @@ def train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedDe
     result = RunResult(label, [], [], [], None, [], 0.0)
     start_s = time.perf_counter()
     for iteration in range(1, settings.iterations + 1):
+        host_batches = [  # made on the host, then copied to the device inside the iteration (metered)
+            synthetic_batch(job.model, (iteration - 1) * settings.micro_batches + micro, settings.seed)
+            for micro in range(settings.micro_batches)
+        ]
+
         def closure() -> torch.Tensor:
             total = torch.zeros(())
-            for micro in range(settings.micro_batches):
-                batch = synthetic_batch(job.model, (iteration - 1) * settings.micro_batches + micro, settings.seed)
+            for host_batch in host_batches:
+                batch = {name: tensor.clone() for name, tensor in host_batch.items()}
                 loss = gpt_loss(model, batch) / settings.micro_batches
                 loss.backward()
                 total += loss.detach()

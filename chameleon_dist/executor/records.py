@@ -68,6 +68,39 @@ class SwapEntry:
                 pass
 
 
+def _modified_in_place(description: str, current: int, saved: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{description}] is at version {current}; expected version {saved} instead. (Reported by "
+        "chameleon's swap executor: PyTorch skips this check when saved-tensor hooks are installed.)"
+    )
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"torch.{type(tensor).__name__}{list(tensor.shape)} ({tensor.dtype})"
+
+
+class KeptRecord:
+    """A saved tensor that stays on the device.
+
+    Autograd gets a detached alias, not the tensor itself: a tensor saved by its own grad_fn (an op's
+    output, e.g. softmax) would otherwise hold that grad_fn through the hook's reference, a cycle through
+    C++ that the garbage collector cannot see, so a graph never run backward (an out-of-memory error, a
+    forward pass without backward) would never be freed. The alias shares the version counter, which
+    restores autograd's in-place check."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise _modified_in_place(_describe(self.tensor), self.tensor._version, self.version)
+        return self.tensor
+
+
 class SwapRecord:
     """One saved tensor that was swapped out (its storage lives in ``entry``)."""
 
@@ -82,20 +115,16 @@ class SwapRecord:
         self.version = tensor._version
         root = tensor._base if tensor._base is not None else tensor
         self.base = weakref.ref(root)  # shares the version counter of every view of this memory
-        self.description = f"torch.{type(tensor).__name__}{list(tensor.shape)} ({tensor.dtype})"
+        self.description = _describe(tensor)
 
     def check_version(self) -> None:
         """Raise what autograd raises when a saved tensor was modified in place after it was saved.
 
-        (With saved-tensor hooks installed, PyTorch skips this check; the base tensor holds the version
-        counter shared by all its views, and if it is gone no view of it can be modified any more.)"""
+        The base tensor holds the version counter shared by all its views (a weak reference: the device
+        memory must be free to go); once it is gone, no view of it can be modified any more."""
         root = self.base()
         if root is not None and root._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{self.description}] is at version {root._version}; expected version "
-                f"{self.version} instead. (Reported by chameleon's swap executor, which saved it.)"
-            )
+            raise _modified_in_place(self.description, root._version, self.version)
 
     def rebuild(self, device_bytes: torch.Tensor) -> torch.Tensor:
         """The saved tensor on the device again: same dtype, size, stride and offset over the bytes."""

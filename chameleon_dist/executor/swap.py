@@ -22,7 +22,7 @@ from torch import nn
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
-from chameleon_dist.executor.records import SwapEntry, SwapRecord
+from chameleon_dist.executor.records import KeptRecord, SwapEntry, SwapRecord
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -101,13 +101,11 @@ class SwapExecutor:
             return False
         return self.device.is_device_tensor(tensor)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SwapRecord:
-        if not self._eligible(tensor):
-            return tensor
-        entry = self._entry_for(tensor)
-        if entry is None:
-            return tensor
-        return SwapRecord(entry, tensor)
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | KeptRecord | SwapRecord:
+        if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
+            return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
+        entry = self._entry_for(tensor) if self._eligible(tensor) else None
+        return KeptRecord(tensor) if entry is None else SwapRecord(entry, tensor)
 
     def _entry_for(self, tensor: torch.Tensor) -> SwapEntry | None:
         storage = tensor.untyped_storage()
@@ -135,7 +133,9 @@ class SwapExecutor:
         self.counters.swapped_tensors += 1
         return entry
 
-    def _unpack(self, packed: torch.Tensor | SwapRecord) -> torch.Tensor:
+    def _unpack(self, packed: torch.Tensor | KeptRecord | SwapRecord) -> torch.Tensor:
+        if isinstance(packed, KeptRecord):
+            return packed.unpack()
         if not isinstance(packed, SwapRecord):
             return packed
         packed.check_version()

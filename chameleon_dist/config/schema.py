@@ -1,0 +1,256 @@
+"""``ChameleonConfig``: the one schema for every way Chameleon is configured (DESIGN.md section 7).
+
+Field names are used by code outside this repository: keep them. Sizes accept ints (bytes) and strings
+such as ``"6GB"``; budgets also accept a fraction in (0, 1] and ``"auto"``. Values are stored normalised
+(int bytes, float fraction, ``"auto"``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from chameleon_dist.config import sizes
+from chameleon_dist.config.errors import CONFLICT_ERROR, CUSTOM_ERROR, ConfigError
+
+if TYPE_CHECKING:
+    import argparse
+
+logger = logging.getLogger(__name__)
+
+KNOWN_PRESETS: tuple[str, ...] = ("ascend-910b", "h100-pcie", "a100-pcie", "h200")
+AUTO_DEVICE_FRACTION = 0.9
+AUTO_HOST_FRACTION = 0.5
+
+_SIZE_USE = 'use bytes (e.g. 1048576) or a size string like "1MiB", "800kB" or "6GB"'
+_RATE_USE = 'use bytes per second (e.g. 25000000000) or a size string like "25GB" (per second)'
+_BUDGET_USE = (
+    'use bytes (e.g. 6442450944), a size string like "6GB" or "512MiB", '
+    'a fraction of {total} in (0, 1] such as 0.8, or "auto"'
+)
+
+
+def _custom(message: str, *, add_hint: bool = False) -> PydanticCustomError:
+    """An error whose message is shown as is (``add_hint``: followed by the field's hint)."""
+    return PydanticCustomError(CUSTOM_ERROR, "{message}", {"message": message, "add_hint": add_hint})
+
+
+def _size_validator(use: str, *, per_second: bool = False, positive: bool = False, optional: bool = False):
+    def validate(value: Any) -> int | None:
+        if value is None and optional:
+            return None
+        try:
+            nbytes = sizes.parse_size_bytes(value, per_second=per_second)
+        except sizes.SizeError as exc:
+            raise _custom(f"{exc}; {use}") from None
+        if positive and nbytes == 0:
+            raise _custom(f"{value!r} is zero; it must be more than 0 bytes; {use}")
+        return nbytes
+
+    return BeforeValidator(validate)
+
+
+def _budget_validator(total: str):
+    use = _BUDGET_USE.format(total=total)
+
+    def validate(value: Any) -> sizes.Budget:
+        try:
+            return sizes.parse_budget(value)
+        except sizes.SizeError as exc:
+            raise _custom(f"{exc}; {use}") from None
+
+    return BeforeValidator(validate)
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise _custom(f"{value!r} is a boolean, not a number", add_hint=True)
+    return value
+
+
+def _hint(text: str) -> dict[str, str]:
+    return {"hint": text}
+
+
+DeviceBudget = Annotated[int | float | Literal["auto"], _budget_validator("device capacity")]
+HostBudget = Annotated[int | float | Literal["auto"], _budget_validator("host RAM")]
+SizeBytes = Annotated[int, _size_validator(_SIZE_USE)]
+OptionalCapacityBytes = Annotated[
+    int | None, _size_validator(_SIZE_USE + ", or null for the real device's capacity", positive=True, optional=True)
+]
+OptionalRateBytesPerS = Annotated[
+    int | None, _size_validator(_RATE_USE + ", or null", per_second=True, positive=True, optional=True)
+]
+Count = Annotated[int, BeforeValidator(_no_bool)]
+
+
+def _known_preset(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    name = value.strip().lower()
+    if name not in KNOWN_PRESETS:
+        close = difflib.get_close_matches(name, KNOWN_PRESETS, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _custom(f"unknown preset {value!r}; {hint}known presets: {', '.join(KNOWN_PRESETS)}, or null for none")
+    return name
+
+
+PresetName = Annotated[str | None, BeforeValidator(_known_preset)]
+Ratio = Annotated[float, BeforeValidator(_no_bool)]
+
+
+class _Section(BaseModel):
+    """Strict sections whose errors, also on assignment, are ConfigErrors naming the setting."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError.from_validation_error(exc, model=type(self)) from None
+
+    # Tell pydantic this __init__ only wraps BaseModel.__init__: nested and model_validate() validation
+    # then bypass it and keep pydantic's structured errors (tests/test_config.py checks both paths).
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError.from_validation_error(exc, model=type(self)) from None
+
+
+class ProfilerConfig(_Section):
+    """When to profile and how to decide that the operator sequence changed (paper's Algorithm 1)."""
+
+    warmup_iterations: Count = Field(
+        2, ge=0, description="Detailed-profiling iterations after a start or a sequence change.",
+        json_schema_extra=_hint("use a whole number >= 0 (e.g. 2)"),
+    )
+    policy_trials: Count = Field(
+        5, ge=1, description="Candidate policies generated and tried; the fastest that fits is kept.",
+        json_schema_extra=_hint("use a whole number >= 1 (e.g. 5)"),
+    )
+    length_change: Ratio = Field(
+        0.05, gt=0, lt=1, description="Relative change of the operator-sequence length that counts as a change.",
+        json_schema_extra=_hint("use a fraction in (0, 1) such as 0.05"),
+    )
+    cosine_threshold: Ratio = Field(
+        0.95, gt=0, le=1, description="Sequence signatures less cosine-similar than this count as a change.",
+        json_schema_extra=_hint("use a number in (0, 1] such as 0.95"),
+    )
+
+
+class DeviceConfig(_Section):
+    """Which device to run on and, for the emulated device, its size and host link."""
+
+    kind: Literal["auto", "cuda", "emulated"] = Field(
+        "auto", description='"cuda", "emulated" (CPU), or "auto" (CUDA when present).',
+        json_schema_extra=_hint('use "auto", "cuda" or "emulated"'),
+    )
+    capacity: OptionalCapacityBytes = Field(None, description="Device memory in bytes; None = the real device's.")
+    h2d_bytes_per_s: OptionalRateBytesPerS = Field(None, description="Host-to-device bandwidth; None = instant/measured.")
+    d2h_bytes_per_s: OptionalRateBytesPerS = Field(None, description="Device-to-host bandwidth; None = instant/measured.")
+    preset: PresetName = Field(
+        None, description=f"Named accelerator preset for the emulated link: {', '.join(KNOWN_PRESETS)}.",
+        json_schema_extra=_hint(f"use one of {', '.join(KNOWN_PRESETS)}, or null"),
+    )
+
+    @model_validator(mode="after")
+    def _preset_sets_link(self) -> "DeviceConfig":
+        explicit = tuple(n for n in ("h2d_bytes_per_s", "d2h_bytes_per_s") if getattr(self, n) is not None)
+        if self.preset is not None and explicit:
+            raise PydanticCustomError(
+                CONFLICT_ERROR,
+                "{message}",
+                {"message": f"preset {self.preset!r} sets the link bandwidth itself", "field": "preset", "remove": explicit},
+            )
+        return self
+
+
+class ExecutorConfig(_Section):
+    """How the swap executor behaves."""
+
+    prefetch_depth: Count = Field(
+        2, ge=0, description="Swapped tensors brought back ahead of their use in backward.",
+        json_schema_extra=_hint("use a whole number >= 0 (e.g. 2)"),
+    )
+    max_oom_retries: Count = Field(
+        3, ge=0, description="How often run_iteration tightens the policy and re-runs a step after an OOM.",
+        json_schema_extra=_hint("use a whole number >= 0 (e.g. 3)"),
+    )
+
+
+class ChameleonConfig(_Section):
+    """Everything Chameleon reads. Build it with :func:`chameleon_dist.config.load_config` or the
+    ``from_*`` constructors; every problem is reported at once in one :class:`ConfigError`."""
+
+    enabled: bool = Field(
+        True, description="Swap activations (False: only measure).",
+        json_schema_extra=_hint("use true or false"),
+    )
+    memory_budget: DeviceBudget = Field("auto", description='Device memory to stay under; "auto" = 90% of capacity.')
+    host_memory_budget: HostBudget = Field("auto", description='Host memory for swapped tensors; "auto" = 50% of RAM.')
+    min_swap_bytes: SizeBytes = Field(2**20, description="Tensors smaller than this are never swapped.")
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+
+    def memory_budget_bytes(self, capacity_bytes: int) -> int:
+        """The device budget in bytes for a device of ``capacity_bytes``."""
+        return sizes.resolve_budget_bytes(self.memory_budget, capacity_bytes, AUTO_DEVICE_FRACTION)
+
+    def host_memory_budget_bytes(self, host_total_bytes: int | None = None) -> int | None:
+        """The host budget in bytes; fractions and "auto" are of ``host_total_bytes`` (default: this
+        machine's physical RAM). None when they are needed and the RAM cannot be read."""
+        if isinstance(self.host_memory_budget, int):
+            return self.host_memory_budget
+        if host_total_bytes is None:
+            host_total_bytes = physical_memory_bytes()
+            if host_total_bytes is None:
+                logger.warning("cannot read the host's RAM size: host_memory_budget %r is not enforced",
+                               self.host_memory_budget)
+                return None
+        return sizes.resolve_budget_bytes(self.host_memory_budget, host_total_bytes, AUTO_HOST_FRACTION)
+
+    @classmethod
+    def from_deepspeed_config(cls, ds_config: Any) -> "ChameleonConfig":
+        """The ``"chameleon"`` block of a DeepSpeed config (a dict, a path to its JSON, or a DeepSpeedConfig);
+        without one, ``ChameleonConfig(enabled=False)``. The given dict is never modified."""
+        from chameleon_dist.config.loaders import config_from_deepspeed
+
+        return config_from_deepspeed(ds_config)
+
+    @classmethod
+    def from_megatron_args(cls, args: "argparse.Namespace") -> "ChameleonConfig":
+        """``--chameleon-config PATH`` with the ``--chameleon-*`` overrides (see ``add_megatron_args``)."""
+        from chameleon_dist.config.megatron_args import config_from_megatron_args
+
+        return config_from_megatron_args(args)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical RAM in bytes, or None where the OS does not say."""
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES")
+        page_bytes = os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return pages * page_bytes if pages > 0 and page_bytes > 0 else None
+
+
+def validate_config(data: Any, *, source: str | Path | None = None, prefix: tuple[str, ...] = ()) -> ChameleonConfig:
+    """``ChameleonConfig.model_validate(data)`` with every problem in one ConfigError."""
+    try:
+        return ChameleonConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError.from_validation_error(
+            exc, source=None if source is None else str(source), model=ChameleonConfig, prefix=prefix
+        ) from None
