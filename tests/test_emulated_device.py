@@ -49,7 +49,7 @@ def test_copies_on_one_link_are_serial_and_waiting_is_stall():
     device.wait(handles[-1])
     elapsed_s = time.perf_counter() - start_s
     assert handles[0].done() and handles[1].done()
-    assert 0.16 <= elapsed_s <= 0.3, elapsed_s
+    assert 0.16 <= elapsed_s <= 0.4, elapsed_s  # two 0.1 s copies back to back, not side by side
     assert device.stall_s() == pytest.approx(elapsed_s, rel=0.2)
 
 

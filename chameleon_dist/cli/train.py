@@ -13,11 +13,10 @@ import datetime as dt
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 
-import torch
-
-from chameleon_dist.config import ChameleonConfig, ConfigError
+from chameleon_dist.config import ConfigError
 from chameleon_dist.units import format_bytes
 
 MiB = 2**20
@@ -64,6 +63,9 @@ def _progress_line(result, report, loss) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Megatron warns about optional CUDA packages (Apex, Transformer Engine) and upcoming API changes on
+    # every model build; on a CPU demo that is noise.
+    warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
     from chameleon_dist.cli import train_job  # imports Megatron: after argument parsing
     from chameleon_dist.cli.plot import plot_memory
 

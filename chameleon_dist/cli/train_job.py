@@ -69,7 +69,7 @@ def load_job(path: Path | None = None, overrides: dict | None = None) -> TrainJo
     try:
         return TrainJob.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError.from_validation_error(exc, source=str(path or DEFAULT_JOB)) from None
+        raise ConfigError.from_validation_error(exc, source=str(path or DEFAULT_JOB), model=TrainJob) from None
 
 
 @dataclasses.dataclass

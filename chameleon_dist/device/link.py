@@ -1,8 +1,9 @@
 """An emulated host<->device link: a FIFO copy engine on a worker thread with a modelled bandwidth.
 
 Each direction is one ``EmulatedLink`` (like one copy stream). Copies run one after another; a copy of
-``nbytes`` occupies the link for ``nbytes / bytes_per_s`` seconds (instant when the bandwidth is None),
-so a prefetch issued too late shows up as real waiting time on the training thread.
+``nbytes`` occupies the link for ``nbytes / bytes_per_s`` seconds, so a prefetch issued too late shows
+up as real waiting time on the training thread. Without a bandwidth the link is instant: copies complete
+as they are issued, on the calling thread (no thread hand-off to wait for).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class EmulatedLink:
     def copy(self, source: torch.Tensor, destination: torch.Tensor) -> EmulatedCopyHandle:
         """Queue ``destination.copy_(source)``; the handle drops ``source`` once the copy is done."""
         handle = EmulatedCopyHandle(source, destination)
+        if self.bytes_per_s is None:  # an instant link: the copy is done by the time it is issued
+            _complete(handle, self.stats, self.name)
+            return handle
         self._last = handle
         self._queue.put(handle)
         return handle
@@ -87,19 +91,24 @@ def _serve(jobs: queue.SimpleQueue, bytes_per_s: float | None, stats: LinkStats,
         handle = jobs.get()
         if handle is None:
             return
-        start_s = time.perf_counter()
-        try:
-            handle.result.copy_(handle._source)
-        except BaseException as exc:  # surfaced to the waiter, never lost
-            logger.exception("%s copy failed", name)
-            handle.error = exc
-        if bytes_per_s is not None:
-            remaining_s = start_s + handle.nbytes / bytes_per_s - time.perf_counter()
-            if remaining_s > 0:
-                time.sleep(remaining_s)
-        stats.busy_s += time.perf_counter() - start_s
-        stats.copied_bytes += handle.nbytes
-        stats.copies += 1
-        handle._source = None  # the device block may go now: its copy has completed
-        handle._done.set()
+        _complete(handle, stats, name, bytes_per_s)
         del handle
+
+
+def _complete(handle: EmulatedCopyHandle, stats: LinkStats, name: str, bytes_per_s: float | None = None) -> None:
+    """Copy, hold the link for ``nbytes / bytes_per_s`` in all, then let the source go and signal."""
+    start_s = time.perf_counter()
+    try:
+        handle.result.copy_(handle._source)
+    except BaseException as exc:  # surfaced to the waiter, never lost
+        logger.exception("%s copy failed", name)
+        handle.error = exc
+    if bytes_per_s is not None:
+        remaining_s = start_s + handle.nbytes / bytes_per_s - time.perf_counter()
+        if remaining_s > 0:
+            time.sleep(remaining_s)
+    stats.busy_s += time.perf_counter() - start_s
+    stats.copied_bytes += handle.nbytes
+    stats.copies += 1
+    handle._source = None  # the device block may go now: its copy has completed
+    handle._done.set()

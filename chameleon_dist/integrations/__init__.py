@@ -1,0 +1,15 @@
+"""Framework integrations: the only place in chameleon-dist that imports Megatron-core or DeepSpeed.
+
+Importing this package imports no framework; the submodules that need one import it themselves.
+"""
+
+from __future__ import annotations
+
+from chameleon_dist.patching import Patch
+
+
+def defined_patches() -> tuple[Patch, ...]:
+    """Every runtime patch defined by the integrations (definitions only; nothing is applied)."""
+    from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES
+
+    return tuple(CPU_PATCHES)

@@ -1,0 +1,1 @@
+"""DeepSpeed integration (installs the chameleon runtime into DeepSpeed engines); not built yet."""
