@@ -192,3 +192,20 @@ def test_in_place_change_of_a_kept_tensor_still_raises():
         with pytest.raises(RuntimeError, match="expected version 0"):
             z.sum().backward()
     assert chameleon.last_report.swap_out_bytes == 0
+
+
+def test_host_buffers_return_to_the_pool_when_a_graph_is_dropped_mid_backward():
+    device = EmulatedDevice(capacity_bytes=10**9, h2d_bytes_per_s=200e6, d2h_bytes_per_s=200e6)
+    chameleon = Chameleon(_config(executor={"prefetch_depth": 4}), device=device)
+    x = torch.randn(64, 256, requires_grad=True)
+    with chameleon.iteration():
+        ys = [x * 1.0]
+        for _ in range(6):
+            ys.append(ys[-1].sin())  # each sin saves (and swaps) its input
+        # backward through the last op only: unpacking its input starts prefetches of earlier inputs
+        torch.autograd.grad(ys[-1].sum(), ys[-2])
+        assert chameleon.executor.counters.prefetched > 0
+        del ys  # the rest of the graph is abandoned with prefetches in flight
+    device.synchronize()
+    assert device.host_pool.in_use_bytes == 0
+    assert device.host_pool.reserved_bytes > 0, "buffers are cached for reuse, not leaked"

@@ -78,8 +78,10 @@ class Device(Protocol):
         drops its own references right away), so device memory returns exactly when it is safe."""
         ...
 
-    def copy_to_device(self, host: torch.Tensor) -> CopyHandle:
-        """Allocate device memory for ``host`` (may raise ``torch.OutOfMemoryError``) and start the copy."""
+    def copy_to_device(self, host: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle:
+        """Allocate device memory for ``host`` (may raise ``torch.OutOfMemoryError``) and start the copy,
+        on the link, after ``after`` (the swap-out that filled ``host``) without blocking the training
+        stream on it."""
         ...
 
     def wait(self, handle: CopyHandle) -> torch.Tensor:

@@ -219,13 +219,15 @@ class CudaDevice:
         self._pending_d2h.append(handle)
         return handle
 
-    def copy_to_device(self, host: torch.Tensor) -> CudaCopyHandle:
+    def copy_to_device(self, host: torch.Tensor, after: CudaCopyHandle | None = None) -> CudaCopyHandle:
         """The destination is allocated on (and freed back to) the compute stream, written on the H2D
         stream; the compute stream reads it only after ``wait`` (or the handle's guard) orders it."""
         compute = torch.cuda.current_stream(self.torch_device)
         destination = self._allocate_device_bytes(host.numel())
         self._h2d_stream.wait_stream(compute)  # the allocation (a possibly reused block) comes first
-        previous = self._host_last_copy.get(host.data_ptr()) if host.numel() else None
+        previous = after.event if after is not None else None
+        if previous is None and host.numel():
+            previous = self._host_last_copy.get(host.data_ptr())
         if previous is not None and not previous.query():
             self._h2d_stream.wait_event(previous)  # its swap-out must have landed, even if never waited on
         with torch.cuda.stream(self._h2d_stream):

@@ -103,10 +103,13 @@ class EmulatedDevice:
             return None
         return self.d2h.copy(byte_view(storage), host)
 
-    def copy_to_device(self, host: torch.Tensor) -> EmulatedCopyHandle:
+    def copy_to_device(self, host: torch.Tensor, after: EmulatedCopyHandle | None = None) -> EmulatedCopyHandle:
+        if after is not None and self.h2d.bytes_per_s is None:
+            self.wait(after)  # an instant link copies on this thread: the swap-out must have landed
+            after = None
         destination = torch.empty(host.numel(), dtype=torch.uint8)  # metered: may raise out-of-memory
         self.meter.track(destination)  # counted even when called outside an iteration
-        return self.h2d.copy(host, destination)
+        return self.h2d.copy(host, destination, after)
 
     def wait(self, handle: EmulatedCopyHandle) -> torch.Tensor:
         if not handle.done():

@@ -22,11 +22,12 @@ logger = logging.getLogger(__name__)
 class EmulatedCopyHandle:
     """One copy on an emulated link. ``result`` is the destination byte view."""
 
-    __slots__ = ("nbytes", "result", "_source", "_done", "error", "__weakref__")
+    __slots__ = ("nbytes", "result", "after", "_source", "_done", "error", "__weakref__")
 
-    def __init__(self, source: torch.Tensor, result: torch.Tensor) -> None:
+    def __init__(self, source: torch.Tensor, result: torch.Tensor, after: "EmulatedCopyHandle | None" = None) -> None:
         self.nbytes = result.numel()
         self.result = result
+        self.after = after  # a copy (on the other link) that must complete before this one starts
         self._source: torch.Tensor | None = source
         self._done = threading.Event()
         self.error: BaseException | None = None
@@ -69,9 +70,10 @@ class EmulatedLink:
         worker.start()
         weakref.finalize(self, self._queue.put, None)
 
-    def copy(self, source: torch.Tensor, destination: torch.Tensor) -> EmulatedCopyHandle:
-        """Queue ``destination.copy_(source)``; the handle drops ``source`` once the copy is done."""
-        handle = EmulatedCopyHandle(source, destination)
+    def copy(self, source: torch.Tensor, destination: torch.Tensor, after: EmulatedCopyHandle | None = None) -> EmulatedCopyHandle:
+        """Queue ``destination.copy_(source)`` (after ``after`` completes); the handle drops ``source``
+        once the copy is done. On an instant link, the caller must have waited for ``after`` already."""
+        handle = EmulatedCopyHandle(source, destination, after)
         if self.bytes_per_s is None:  # an instant link: the copy is done by the time it is issued
             _complete(handle, self.stats, self.name)
             return handle
@@ -97,6 +99,9 @@ def _serve(jobs: queue.SimpleQueue, bytes_per_s: float | None, stats: LinkStats,
 
 def _complete(handle: EmulatedCopyHandle, stats: LinkStats, name: str, bytes_per_s: float | None = None) -> None:
     """Copy, hold the link for ``nbytes / bytes_per_s`` in all, then let the source go and signal."""
+    if handle.after is not None:
+        handle.after._done.wait()
+        handle.after = None
     start_s = time.perf_counter()
     try:
         handle.result.copy_(handle._source)

@@ -42,8 +42,8 @@ class SwapEntry:
         """Start the host->device copy unless it is under way or done; True if this call started it."""
         if self.device_bytes is not None or self.to_device is not None:
             return False
-        host = self._device.wait(self.to_host)  # the swap-out must have landed before it is read back
-        self.to_device = self._device.copy_to_device(host)
+        # ordered after the swap-out on the link, without making the training stream wait for it
+        self.to_device = self._device.copy_to_device(self.to_host.result, after=self.to_host)
         return True
 
     def finish_swap_in(self) -> torch.Tensor:
@@ -57,15 +57,16 @@ class SwapEntry:
         return self.device_bytes
 
     def __del__(self) -> None:
-        # Never unpacked (no backward, an exception, a validation pass with grad on): the host buffer
-        # goes back once its copy is complete.
+        # Never (fully) swapped back in: no backward, an exception, a forward pass with grad on. The host
+        # buffer goes back to the pool once the last copy that touches it has completed.
         to_host = self.to_host
-        if to_host is not None and self.to_device is None:
-            try:
-                self._device.wait(to_host)
-                self._device.release_host(to_host.result)
-            except Exception:  # noqa: BLE001 - a destructor must not raise; the buffer is simply dropped
-                pass
+        if to_host is None:
+            return
+        try:
+            self._device.wait(self.to_device if self.to_device is not None else to_host)
+            self._device.release_host(to_host.result)
+        except Exception:  # noqa: BLE001 - a destructor must not raise; the buffer is simply dropped
+            pass
 
 
 def _modified_in_place(description: str, current: int, saved: int) -> RuntimeError:
