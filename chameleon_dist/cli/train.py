@@ -159,6 +159,13 @@ def _summary(runs, iterations: int, parity, capacity_bytes: int) -> str:
         else:
             figures = f"{'-':>8s} | {'-':>10s} | {'-':>11s} | {'-':>5s}"
         lines.append(f"{name:27s} | {done:>10s} | {figures} | {outcome}")
+    reference, with_chameleon = runs[0][1], runs[-1][1]
+    if reference.reports and with_chameleon.reports:
+        lines.append(
+            f"with Chameleon / reference (emulated, same run): peak memory "
+            f"{with_chameleon.peak_bytes() / reference.peak_bytes():.2f}x, time per iteration "
+            f"{with_chameleon.mean('iteration_s') / reference.mean('iteration_s'):.2f}x"
+        )
     verdict = "yes" if parity.bit_identical else "NO"
     lines.append(
         f"bit-identical to the reference: {verdict} (losses {parity.losses_equal}/{parity.losses_compared} "
