@@ -22,7 +22,7 @@ class IterationReport:
     memory_budget_bytes: int
     swap_out_bytes: int
     swap_in_bytes: int
-    swapped_tensors: int
+    swapped_storages: int
     prefetched: int
     kept_on_device_bytes: int
     host_pool_bytes: int

@@ -6,7 +6,7 @@ Usage from a plain PyTorch loop::
     model = chameleon.attach(model)
     for batch in data:
         loss = chameleon.run_iteration(lambda: train_step(model, batch), optimizer=optimizer)
-        print(chameleon.last_report)
+        report = chameleon.last_report  # an IterationReport
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Chameleon:
             memory_budget_bytes=self.memory_budget_bytes,
             swap_out_bytes=counters.swap_out_bytes,
             swap_in_bytes=counters.swap_in_bytes,
-            swapped_tensors=counters.swapped_tensors,
+            swapped_storages=counters.swapped_storages,
             prefetched=counters.prefetched,
             kept_on_device_bytes=counters.kept_for_host_budget_bytes,
             host_pool_bytes=self.device.host_pool.reserved_bytes,

@@ -57,7 +57,7 @@ def test_fifty_steps_bit_identical_with_every_activation_swapped():
     chameleon = Chameleon(_config())
     candidate = train(50, chameleon)
     report = chameleon.last_report
-    assert report.swap_out_bytes > 0 and report.swapped_tensors > 10, "the test must really swap"
+    assert report.swap_out_bytes > 0 and report.swapped_storages > 10, "the test must really swap"
     assert report.swap_in_bytes == report.swap_out_bytes, "everything swapped out came back for backward"
     assert report.stage == "baseline" and report.emulated
     assert_bit_identical(reference, candidate)
@@ -78,7 +78,7 @@ def test_min_swap_bytes_filters_small_tensors():
     train(1, chameleon_all)
     chameleon_big = Chameleon(_config(min_swap_bytes=16 * 1024))
     train(1, chameleon_big)
-    assert 0 < chameleon_big.last_report.swapped_tensors < chameleon_all.last_report.swapped_tensors
+    assert 0 < chameleon_big.last_report.swapped_storages < chameleon_all.last_report.swapped_storages
 
 
 def test_parameters_and_tensors_packed_in_backward_are_never_swapped():

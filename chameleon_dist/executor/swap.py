@@ -34,7 +34,7 @@ class SwapCounters:
 
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
-    swapped_tensors: int = 0
+    swapped_storages: int = 0  # storages copied out (views of one storage share one copy)
     kept_for_host_budget_bytes: int = 0
     prefetched: int = 0
 
@@ -85,7 +85,7 @@ class SwapExecutor:
         finally:
             self._by_storage.clear()
             self._order.clear()
-    
+
     # ---- hooks ------------------------------------------------------------------------------
     def _eligible(self, tensor: torch.Tensor) -> bool:
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
@@ -129,8 +129,8 @@ class SwapExecutor:
         weakref.finalize(storage, self._by_storage.pop, key, None)
         self._order.append(weakref.ref(entry))
         self.counters.swap_out_bytes += entry.nbytes
+        self.counters.swapped_storages += 1
         self._swapped_since_release = True
-        self.counters.swapped_tensors += 1
         return entry
 
     def _unpack(self, packed: torch.Tensor | KeptRecord | SwapRecord) -> torch.Tensor:
