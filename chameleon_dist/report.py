@@ -10,12 +10,13 @@ from typing import Any
 class IterationReport:
     """One iteration. Byte counts are device bytes unless named ``host``; ``emulated`` marks CPU figures.
 
-    ``stage`` is "disabled" (chameleon.enabled is false: measured only), or "baseline" (the swap-all
-    executor of this release; the profiler's warmup / gen_policy / stable stages replace it).
-    ``num_ops`` is the number of aten ops seen (emulated device only until the profiler lands), and
-    ``sequence_changed`` is None until the profiler compares sequences."""
+    ``stage`` is the stage the iteration ran in ("warmup", "gen_policy", "stable"). ``num_ops`` is the
+    number of aten ops in its signature; ``sequence_changed`` says whether the sequence differs at all from
+    the reference, ``sequence_change_major`` whether the difference needs a new policy (and sent the
+    runtime back to WarmUp), ``stage_transition`` what changed stage after this iteration, and why."""
 
     iteration: int
+    enabled: bool  # chameleon.enabled: false means measured only, nothing swapped
     stage: str
     peak_device_bytes: int
     capacity_bytes: int
@@ -29,8 +30,11 @@ class IterationReport:
     stall_s: float
     iteration_s: float
     policy_version: int
-    num_ops: int | None
-    sequence_changed: bool | None
+    num_ops: int
+    sequence_changed: bool
+    sequence_change_major: bool
+    sequence_cosine: float
+    stage_transition: str | None
     passive_swaps: int
     oom_retries: int
     emulated: bool

@@ -25,6 +25,7 @@ from chameleon_dist.config import ChameleonConfig, load_config
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.executor.swap import SwapCounters, SwapExecutor
+from chameleon_dist.profiler.online import IterationProfile, OnlineProfiler
 from chameleon_dist.report import IterationReport
 from chameleon_dist.units import format_bytes
 
@@ -58,6 +59,16 @@ class Chameleon:
         self._oom_retries = 0
         self._in_iteration = False
         self.last_report: IterationReport | None = None
+        profiler = self.config.profiler
+        self.profiler = OnlineProfiler(
+            profiler.warmup_iterations,
+            profiler.policy_trials,
+            profiler.length_change,
+            profiler.cosine_threshold,
+            self.device.live_bytes,
+            self.device.emulated,
+        )
+        self._observation = None
         self.device.set_pressure_handler(self._on_memory_pressure if self.config.enabled else None)
         logger.info(
             "chameleon %s on %s (memory budget %s, min_swap_bytes %s)",
@@ -69,7 +80,13 @@ class Chameleon:
 
     @property
     def stage(self) -> str:
-        return "baseline" if self.config.enabled else "disabled"
+        """The stage the next iteration runs in: "warmup", "gen_policy" or "stable"."""
+        return self.profiler.stage
+
+    @property
+    def last_trace(self):
+        """The latest detailed ``StepTrace`` (recorded in WarmUp iterations), or None."""
+        return self.profiler.last_trace
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Count ``model``'s parameters as device memory and keep them out of the swap path."""
@@ -91,17 +108,22 @@ class Chameleon:
         start_s = time.perf_counter()
         counters = SwapCounters()
         try:
-            with self.device.active():
+            observing = self.profiler.observe(self._iteration + 1, self._models, self.executor.protected_keys())
+            with self.device.active(), observing as observation:
+                self._observation = observation
+                self.executor.observer = observation.recorder
                 if self.config.enabled:
                     with self.executor.active() as counters:
                         yield
                 else:
                     yield
-                num_ops = getattr(self.device, "op_count", None)
         finally:
             self._in_iteration = False
+            self._observation = None
+            self.executor.observer = None
         self._iteration += 1
-        self.last_report = self._report(counters, num_ops, time.perf_counter() - start_s, stall_start_s)
+        profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps)
+        self.last_report = self._report(counters, profile, time.perf_counter() - start_s, stall_start_s)
         logger.debug("%s", self.last_report)
 
     def run_iteration(self, closure: Callable[[], T], optimizer: torch.optim.Optimizer | None = None) -> T:
@@ -120,10 +142,31 @@ class Chameleon:
                     reason = str(exc)
                 else:
                     if optimizer is not None:
-                        optimizer.step()
+                        with self.optimizer_phase():
+                            optimizer.step()
                     return result
                 self._recover(reason)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    @contextlib.contextmanager
+    def optimizer_phase(self) -> Iterator[None]:
+        """Marks the ops inside as the optimizer step in detailed traces (``run_iteration`` does this)."""
+        self._mark_optimizer(True)
+        try:
+            yield
+        finally:
+            self._mark_optimizer(False)
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """For loops that call ``optimizer.step()`` themselves inside ``iteration()``: mark its ops."""
+        optimizer.register_step_pre_hook(lambda *_: self._mark_optimizer(True))
+        optimizer.register_step_post_hook(lambda *_: self._mark_optimizer(False))
+        return optimizer
+
+    def _mark_optimizer(self, active: bool) -> None:
+        recorder = self._observation.recorder if self._observation is not None else None
+        if recorder is not None:
+            recorder.optimizer_active = active
 
     def _recover(self, reason: str) -> None:
         self._oom_retries += 1
@@ -150,10 +193,11 @@ class Chameleon:
             self._passive_swaps += 1
         return freed_bytes
 
-    def _report(self, counters: SwapCounters, num_ops: int | None, iteration_s: float, stall_start_s: float) -> IterationReport:
+    def _report(self, counters: SwapCounters, profile: IterationProfile, iteration_s: float, stall_start_s: float) -> IterationReport:
         return IterationReport(
             iteration=self._iteration,
-            stage=self.stage,
+            enabled=self.config.enabled,
+            stage=profile.stage,
             peak_device_bytes=self.device.peak_bytes(),
             capacity_bytes=self.device.capacity_bytes,
             memory_budget_bytes=self.memory_budget_bytes,
@@ -166,8 +210,11 @@ class Chameleon:
             stall_s=self.device.stall_s() - stall_start_s,
             iteration_s=iteration_s,
             policy_version=0,
-            num_ops=num_ops,
-            sequence_changed=None,
+            num_ops=profile.signature.num_ops,
+            sequence_changed=profile.comparison.changed,
+            sequence_change_major=profile.comparison.major,
+            sequence_cosine=profile.comparison.cosine,
+            stage_transition=None if profile.transition is None else f"{profile.transition.before} -> {profile.transition.after}: {profile.transition.reason}",
             passive_swaps=self._passive_swaps,
             oom_retries=self._oom_retries,
             emulated=self.device.emulated,

@@ -44,7 +44,7 @@ def test_report_fields_and_attach_counts_parameters():
     loss = _step(chameleon, model)
     report = chameleon.last_report
     assert isinstance(report, IterationReport) and torch.is_tensor(loss)
-    assert report.iteration == 1 and report.stage == "baseline" and report.emulated
+    assert report.iteration == 1 and report.stage == "warmup" and report.emulated
     assert report.peak_device_bytes > param_bytes
     assert report.swap_out_bytes > 0 and report.num_ops > 100
     assert report.capacity_bytes == 10**9 and report.memory_budget_bytes == int(0.9 * 10**9)
@@ -63,7 +63,7 @@ def test_disabled_runtime_measures_without_swapping():
     chameleon.attach(model)
     _step(chameleon, model)
     report = chameleon.last_report
-    assert report.stage == "disabled" and report.swap_out_bytes == 0 and report.peak_device_bytes > 0
+    assert not report.enabled and report.swap_out_bytes == 0 and report.peak_device_bytes > 0
 
 
 def test_swapping_lowers_the_peak():

@@ -49,12 +49,12 @@ def _progress_line(result, report, loss) -> None:
     total = len(result.reports) and result.reports[-1].iteration
     swapped = (
         f" | out {_mib(report.swap_out_bytes)} in {_mib(report.swap_in_bytes)} MiB | stall {report.stall_s * 1e3:5.0f} ms"
-        if report.stage != "disabled"
+        if report.enabled
         else ""
     )
     capacity = "" if report.capacity_bytes >= sys.maxsize else f"/{_mib(report.capacity_bytes)}"
     print(
-        f"  iter {total:3d} | loss {loss.item():.4f} | stage {report.stage:8s} | peak "
+        f"  iter {total:3d} | loss {loss.item():.4f} | stage {report.stage:10s} | peak "
         f"{_mib(report.peak_device_bytes)}{capacity} MiB{swapped} | {report.iteration_s:.2f} s",
         flush=True,
     )

@@ -71,11 +71,6 @@ class EmulatedDevice:
     def stall_s(self) -> float:
         return self._stall_s
 
-    @property
-    def op_count(self) -> int:
-        """Aten ops metered since the current iteration began."""
-        return self.meter.op_index
-
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Meter every op of the iteration on this thread (and of its backward pass)."""

@@ -19,12 +19,15 @@ if TYPE_CHECKING:
 class SwapEntry:
     """One storage swapped out. Host buffer and restored device bytes live as long as the entry."""
 
-    __slots__ = ("nbytes", "version", "position", "to_host", "to_device", "device_bytes", "_device", "__weakref__")
+    __slots__ = (
+        "nbytes", "version", "position", "trace_index", "to_host", "to_device", "device_bytes", "_device", "__weakref__"
+    )
 
     def __init__(self, device: "Device", to_host: "CopyHandle", version: int, position: int) -> None:
         self.nbytes = to_host.nbytes
         self.version = version
         self.position = position  # index in the iteration's swap-out order
+        self.trace_index = -1  # index of its SwapRecord in a detailed trace, when one is recorded
         self.to_host: CopyHandle | None = to_host
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +37,20 @@ class SwapCounters:
     swapped_storages: int = 0  # storages copied out (views of one storage share one copy)
     kept_for_host_budget_bytes: int = 0
     prefetched: int = 0
+    saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
+
+
+class SwapObserver(Protocol):
+    """What the detailed profiler wants to hear from the executor (profiling iterations only)."""
+
+    def on_saved(self, tensor: torch.Tensor) -> None: ...
+
+    def on_swap_out(self, storage: torch.UntypedStorage) -> int: ...
+
+    def on_swap_in(self, swap_index: int, at_op: int) -> None: ...
+
+    @property
+    def op_count(self) -> int: ...
 
 
 class SwapExecutor:
@@ -57,11 +71,17 @@ class SwapExecutor:
         self._order: list[weakref.ReferenceType[SwapEntry]] = []
         self._host_budget_warned = False
         self._swapped_since_release = False
+        self.observer: SwapObserver | None = None
 
     # ---- setup ------------------------------------------------------------------------------
     def protect(self, module: nn.Module) -> None:
         """Never swap ``module``'s parameters, buffers, or views of them."""
         self._protected.add(module)
+
+    def protected_keys(self) -> set[int]:
+        """Storage keys of the protected modules' parameters and buffers (as of now)."""
+        self._refresh_protected()
+        return self._protected_keys
 
     def _refresh_protected(self) -> None:
         keys = set()
@@ -104,6 +124,9 @@ class SwapExecutor:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | KeptRecord | SwapRecord:
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
+        self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
+        if self.observer is not None:
+            self.observer.on_saved(tensor)
         entry = self._entry_for(tensor) if self._eligible(tensor) else None
         return KeptRecord(tensor) if entry is None else SwapRecord(entry, tensor)
 
@@ -125,6 +148,8 @@ class SwapExecutor:
                 self._host_budget_warned = True
             return None
         entry = SwapEntry(self.device, handle, tensor._version, position=len(self._order))
+        if self.observer is not None:
+            entry.trace_index = self.observer.on_swap_out(storage)
         self._by_storage[key] = weakref.ref(entry)
         weakref.finalize(storage, self._by_storage.pop, key, None)
         self._order.append(weakref.ref(entry))
@@ -152,8 +177,11 @@ class SwapExecutor:
         return packed.rebuild(entry.device_bytes)
 
     def _swap_in(self, entry: SwapEntry) -> None:
+        at_op = self.observer.op_count if self.observer is not None else -1
         if entry.start_swap_in():
             self.counters.swap_in_bytes += entry.nbytes
+            if self.observer is not None:
+                self.observer.on_swap_in(entry.trace_index, at_op)
 
     def _prefetch_before(self, entry: SwapEntry) -> None:
         """Keep the next ``prefetch_depth`` storages backward will likely need (saved earlier) coming in."""

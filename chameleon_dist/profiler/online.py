@@ -1,0 +1,93 @@
+"""``OnlineProfiler``: one per runtime. Every iteration it takes the cheap signature; in WarmUp it also
+records a detailed ``StepTrace``; after each iteration it compares the signature with the reference and
+advances the stage machine."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Callable, Iterable, Iterator
+
+from torch import nn
+
+from chameleon_dist.profiler.recorder import TraceRecorder
+from chameleon_dist.profiler.signature import Comparison, OpVocabulary, Signature, SignatureMode, compare
+from chameleon_dist.profiler.stages import WARMUP, StageMachine, Transition
+from chameleon_dist.trace.step_trace import StepTrace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Observation:
+    """One iteration being observed."""
+
+    stage: str
+    signature_mode: SignatureMode
+    recorder: TraceRecorder | None
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationProfile:
+    stage: str  # the stage the iteration ran in
+    signature: Signature
+    comparison: Comparison
+    transition: Transition | None
+    trace: StepTrace | None
+
+
+class OnlineProfiler:
+    def __init__(
+        self,
+        warmup_iterations: int,
+        policy_trials: int,
+        length_change: float,
+        cosine_threshold: float,
+        live_bytes: Callable[[], int],
+        emulated: bool,
+    ) -> None:
+        self.vocabulary = OpVocabulary()
+        self.stages = StageMachine(warmup_iterations, policy_trials)
+        self.length_change = length_change
+        self.cosine_threshold = cosine_threshold
+        self._live_bytes = live_bytes
+        self._emulated = emulated
+        self.reference: Signature | None = None
+        self.last_trace: StepTrace | None = None
+
+    @property
+    def stage(self) -> str:
+        return self.stages.stage
+
+    @contextlib.contextmanager
+    def observe(self, iteration: int, models: Iterable[nn.Module], parameter_keys: set[int]) -> Iterator[Observation]:
+        """Signature always; a detailed recorder in WarmUp. Enter after the device's metering."""
+        stage = self.stages.stage
+        recorder = None
+        if stage == WARMUP:
+            recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys, iteration, self._emulated)
+            for model in models:
+                recorder.watch_modules(model)
+        signature_mode = SignatureMode(self.vocabulary)
+        observation = Observation(stage, signature_mode, recorder)
+        try:
+            with recorder if recorder is not None else contextlib.nullcontext():
+                with signature_mode:
+                    yield observation
+        finally:
+            if recorder is not None:
+                self.last_trace = recorder.finish()
+
+    def conclude(self, observation: Observation, saved_bytes: list[int], passive_swaps: int) -> IterationProfile:
+        signature = Signature.of(observation.signature_mode.ids, saved_bytes)
+        comparison = compare(signature, self.reference, self.length_change, self.cosine_threshold)
+        if comparison.changed:
+            logger.info("operator sequence: %s (%d ops vs %d)", comparison.reason, comparison.num_ops, comparison.reference_num_ops)
+        transition = self.stages.advance(comparison.major, passive_swaps, comparison.reason)
+        # The reference is the sequence the current (or upcoming) policy is built from: renewed in every
+        # profiled iteration and whenever the runtime goes back to WarmUp.
+        if self.reference is None or observation.recorder is not None or self.stages.stage == WARMUP:
+            self.reference = signature
+        trace = self.last_trace if observation.recorder is not None else None
+        return IterationProfile(observation.stage, signature, comparison, transition, trace)

@@ -1,0 +1,56 @@
+"""The stage machine (the paper's Algorithm 1): WarmUp -> GenPolicy -> Stable, and back on a change.
+
+- WarmUp (``warmup_iterations``): detailed profiling; out-of-memory is absorbed by passive swap.
+- GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration.
+- Stable: only the cheap signature. A major sequence change or a passive swap returns to WarmUp.
+A major change during WarmUp or GenPolicy restarts WarmUp (the trace no longer describes the job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+logger = logging.getLogger(__name__)
+
+WARMUP, GEN_POLICY, STABLE = "warmup", "gen_policy", "stable"
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    before: str
+    after: str
+    reason: str
+
+
+class StageMachine:
+    def __init__(self, warmup_iterations: int, policy_trials: int) -> None:
+        if warmup_iterations < 0 or policy_trials < 1:
+            raise ValueError("profiler.warmup_iterations must be >= 0 and profiler.policy_trials >= 1")
+        self.warmup_iterations = warmup_iterations
+        self.policy_trials = policy_trials
+        self.stage = WARMUP if warmup_iterations > 0 else GEN_POLICY
+        self._done_in_stage = 0
+
+    def advance(self, major_change: bool, passive_swaps: int, change_reason: str = "") -> Transition | None:
+        """Account one finished iteration; returns the transition it caused, if any."""
+        before = self.stage
+        if passive_swaps:
+            return self._go(WARMUP, f"{passive_swaps} passive swap(s): the device ran out of memory", before)
+        if major_change:
+            return self._go(WARMUP, f"operator sequence changed: {change_reason}", before)
+        self._done_in_stage += 1
+        if self.stage == WARMUP and self._done_in_stage >= self.warmup_iterations:
+            return self._go(GEN_POLICY, f"{self._done_in_stage} warm-up iteration(s) profiled", before)
+        if self.stage == GEN_POLICY and self._done_in_stage >= self.policy_trials:
+            return self._go(STABLE, f"{self._done_in_stage} policy trial(s) done", before)
+        return None
+
+    def _go(self, stage: str, reason: str, before: str) -> Transition:
+        if stage == WARMUP and self.warmup_iterations == 0:
+            stage = GEN_POLICY
+        self.stage = stage
+        self._done_in_stage = 0
+        transition = Transition(before, stage, reason)
+        logger.info("stage %s -> %s: %s", before, stage, reason)
+        return transition
