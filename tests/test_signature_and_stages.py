@@ -1,0 +1,100 @@
+"""The lightweight profiler's signature and comparison, and the stage machine."""
+
+import pytest
+import torch
+
+from chameleon_dist.profiler import GEN_POLICY, STABLE, WARMUP, OpVocabulary, Signature, SignatureMode, StageMachine, compare
+from chameleon_dist.profiler.signature import cosine_similarity
+
+
+def _record(fn):
+    vocabulary = OpVocabulary()
+    mode = SignatureMode(vocabulary)
+    with mode:
+        fn()
+    return mode.ids, vocabulary
+
+
+def test_signature_records_every_op_and_marks_ops_outside_autograd():
+    x = torch.randn(8, 8, requires_grad=True)
+
+    def step():
+        y = (x @ x).relu().sum()
+        y.backward()
+        with torch.no_grad():
+            x.mul_(0.5)
+
+    ids, vocabulary = _record(step)
+    names = [vocabulary.names[i if i >= 0 else ~i] for i in ids]
+    assert names[:2] == ["aten.mm.default", "aten.relu.default"] and "aten.sum.default" in names
+    assert ids[0] >= 0 and ids[1] >= 0, "forward ops under grad count"
+    assert ids[-1] < 0 and names[-1] == "aten.mul_.Tensor", "the no-grad update is outside autograd"
+    backward = [i for i, name in zip(ids, names) if name == "aten.threshold_backward.default"]
+    assert backward and all(i >= 0 for i in backward), "backward ops count"
+
+
+def _sig(ids, saved=()):
+    return Signature.of(list(ids), list(saved))
+
+
+def test_identical_sequences_are_unchanged():
+    comparison = compare(_sig(range(100), [4] * 10), _sig(range(100), [4] * 10), 0.05, 0.95)
+    assert not comparison.changed and not comparison.major and comparison.cosine == pytest.approx(1.0)
+
+
+def test_ops_outside_autograd_flag_a_change_but_need_no_new_policy():
+    base = list(range(100))
+    with_validation = base + [~i for i in range(50)]
+    comparison = compare(_sig(with_validation), _sig(base), 0.05, 0.95)
+    assert comparison.changed and not comparison.major
+    assert "absorbed" in comparison.reason
+
+
+def test_length_change_at_the_threshold_is_major():
+    comparison = compare(_sig(list(range(100)) * 2 + list(range(10))), _sig(list(range(100)) * 2), 0.05, 0.95)
+    assert comparison.length_change == pytest.approx(0.05) and comparison.major
+    small = compare(_sig(list(range(100)) * 2 + [1, 2]), _sig(list(range(100)) * 2), 0.05, 0.95)
+    assert small.changed and not small.major
+
+
+def test_reordered_sequence_fails_the_cosine_test():
+    reference = list(range(1, 200))
+    shuffled = reference[100:] + reference[:100]
+    comparison = compare(_sig(shuffled), _sig(reference), 0.05, 0.95)
+    assert comparison.length_change == 0 and comparison.cosine < 0.95 and comparison.major
+
+
+def test_saved_bytes_change_is_major_even_with_the_same_ops():
+    comparison = compare(_sig(range(100), [1000] * 10), _sig(range(100), [500] * 10), 0.05, 0.95)
+    assert comparison.major and "saved for backward" in comparison.reason
+    minor = compare(_sig(range(100), [1000, 1010]), _sig(range(100), [1010, 1000]), 0.05, 0.95)
+    assert minor.changed and not minor.major
+
+
+def test_cosine_pads_the_shorter_sequence():
+    a = torch.tensor([0, 1, 2])
+    assert cosine_similarity(a, a) == pytest.approx(1.0)
+    assert cosine_similarity(a, torch.tensor([0, 1, 2, 0, 1, 2])) < 1.0
+    assert cosine_similarity(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)) == 1.0
+
+
+def test_stage_machine_follows_algorithm_1():
+    machine = StageMachine(warmup_iterations=2, policy_trials=3)
+    stages = []
+    for _ in range(7):
+        stages.append(machine.stage)
+        machine.advance(major_change=False, passive_swaps=0)
+    assert stages == [WARMUP, WARMUP, GEN_POLICY, GEN_POLICY, GEN_POLICY, STABLE, STABLE]
+    transition = machine.advance(major_change=True, passive_swaps=0, change_reason="length changed")
+    assert (transition.before, transition.after) == (STABLE, WARMUP) and "length changed" in transition.reason
+    machine.advance(False, 0)
+    transition = machine.advance(False, 1)  # a passive swap in WarmUp restarts it
+    assert transition.after == WARMUP and "passive swap" in transition.reason
+    assert machine.advance(False, 0) is None and machine.advance(False, 0).after == GEN_POLICY
+
+
+def test_zero_warmup_goes_straight_to_gen_policy():
+    machine = StageMachine(warmup_iterations=0, policy_trials=1)
+    assert machine.stage == GEN_POLICY
+    assert machine.advance(False, 0).after == STABLE
+    assert machine.advance(True, 0, "x").after == GEN_POLICY
