@@ -69,6 +69,7 @@ class Chameleon:
             self.device.emulated,
         )
         self._observation = None
+        self.executor.quiet = self.profiler.scope.quiet
         self.device.set_pressure_handler(self._on_memory_pressure if self.config.enabled else None)
         logger.info(
             "chameleon %s on %s (memory budget %s, min_swap_bytes %s)",
@@ -92,6 +93,7 @@ class Chameleon:
         """Count ``model``'s parameters as device memory and keep them out of the swap path."""
         self.device.track_module(model)
         self.executor.protect(model)
+        self.profiler.scope.watch(model)
         self._models.add(model)
         return model
 

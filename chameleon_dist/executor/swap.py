@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Iterator, Protocol
+from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -72,6 +72,7 @@ class SwapExecutor:
         self._host_budget_warned = False
         self._swapped_since_release = False
         self.observer: SwapObserver | None = None
+        self.quiet: Callable[[], ContextManager[None]] = contextlib.nullcontext  # hides own ops from profilers
 
     # ---- setup ------------------------------------------------------------------------------
     def protect(self, module: nn.Module) -> None:
@@ -122,6 +123,10 @@ class SwapExecutor:
         return self.device.is_device_tensor(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | KeptRecord | SwapRecord:
+        with self.quiet():
+            return self._pack_quietly(tensor)
+
+    def _pack_quietly(self, tensor: torch.Tensor) -> torch.Tensor | KeptRecord | SwapRecord:
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
@@ -159,6 +164,10 @@ class SwapExecutor:
         return entry
 
     def _unpack(self, packed: torch.Tensor | KeptRecord | SwapRecord) -> torch.Tensor:
+        with self.quiet():
+            return self._unpack_quietly(packed)
+
+    def _unpack_quietly(self, packed: torch.Tensor | KeptRecord | SwapRecord) -> torch.Tensor:
         if isinstance(packed, KeptRecord):
             return packed.unpack()
         if not isinstance(packed, SwapRecord):

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Iterator
 from torch import nn
 
 from chameleon_dist.profiler.recorder import TraceRecorder
+from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import Comparison, OpVocabulary, Signature, SignatureMode, compare
 from chameleon_dist.profiler.stages import WARMUP, StageMachine, Transition
 from chameleon_dist.trace.step_trace import StepTrace
@@ -48,6 +49,7 @@ class OnlineProfiler:
         emulated: bool,
     ) -> None:
         self.vocabulary = OpVocabulary()
+        self.scope = TrainingScope()
         self.stages = StageMachine(warmup_iterations, policy_trials)
         self.length_change = length_change
         self.cosine_threshold = cosine_threshold
@@ -66,10 +68,10 @@ class OnlineProfiler:
         stage = self.stages.stage
         recorder = None
         if stage == WARMUP:
-            recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys, iteration, self._emulated)
+            recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys, iteration, self._emulated, self.scope)
             for model in models:
                 recorder.watch_modules(model)
-        signature_mode = SignatureMode(self.vocabulary)
+        signature_mode = SignatureMode(self.vocabulary, self.scope)
         observation = Observation(stage, signature_mode, recorder)
         try:
             with recorder if recorder is not None else contextlib.nullcontext():

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import OpVocabulary
 from chameleon_dist.trace.step_trace import (
     BACKWARD,
@@ -52,8 +53,10 @@ class TraceRecorder(TorchDispatchMode):
         parameter_storage_keys: set[int],
         iteration: int,
         emulated: bool,
+        scope: TrainingScope | None = None,
     ) -> None:
         super().__init__()
+        self._scope = scope if scope is not None else TrainingScope()
         self._id_of = vocabulary.id_of
         self._vocabulary = vocabulary
         self._live_bytes = live_bytes
@@ -127,6 +130,8 @@ class TraceRecorder(TorchDispatchMode):
     # ---- ops --------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._scope.paused:
+            return func(*args, **kwargs)
         input_ids = tuple(self._tensor_id(t) for t in tree_leaves((args, kwargs)) if _traceable(t))
         out = func(*args, **kwargs)
         output_ids = tuple(self._tensor_id(t, created_now=True) for t in tree_leaves(out) if _traceable(t))
@@ -146,7 +151,7 @@ class TraceRecorder(TorchDispatchMode):
             return BACKWARD
         if self.optimizer_active:
             return OPTIMIZER
-        return FORWARD if torch.is_grad_enabled() else OTHER
+        return FORWARD if self._scope.in_autograd() else OTHER
 
     def _storage_id(self, storage: torch.UntypedStorage, created_now: bool) -> int:
         key = storage._cdata

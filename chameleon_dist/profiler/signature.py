@@ -2,8 +2,9 @@
 
 Every aten op name gets an integer id (``OpVocabulary``, one per runtime). ``SignatureMode`` appends the
 id of each op run during the iteration, negated (``~id``) when the op cannot matter to swapping: ops
-outside autograd (grad disabled and not inside a backward pass: validation passes, optimizer steps,
-data preparation). The executor adds the byte size of every tensor autograd saves.
+outside autograd (see ``TrainingScope``: validation passes under no_grad, optimizer steps, data
+preparation). The executor's own ops are not recorded, and it adds the byte size of every tensor
+autograd saves.
 
 ``compare`` flags *any* difference (``changed``) and decides whether the difference is *major* (a new
 policy is needed): among the ops that matter, the length differs by at least ``length_change`` or the
@@ -17,6 +18,8 @@ import dataclasses
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from chameleon_dist.profiler.scope import TrainingScope
 
 
 class OpVocabulary:
@@ -40,17 +43,17 @@ class OpVocabulary:
 class SignatureMode(TorchDispatchMode):
     """Records the op-id sequence of one iteration (a few list appends per op)."""
 
-    def __init__(self, vocabulary: OpVocabulary) -> None:
+    def __init__(self, vocabulary: OpVocabulary, scope: TrainingScope | None = None) -> None:
         super().__init__()
         self.ids: list[int] = []
         self._id_of = vocabulary.id_of
+        self._scope = scope if scope is not None else TrainingScope()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        op_id = self._id_of(func)
-        if torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-            self.ids.append(op_id)
-        else:
-            self.ids.append(~op_id)
+        scope = self._scope
+        if not scope.paused:
+            op_id = self._id_of(func)
+            self.ids.append(op_id if scope.in_autograd() else ~op_id)
         return func(*args, **(kwargs or {}))
 
 
