@@ -34,6 +34,8 @@ class IterationReport:
     sequence_changed: bool
     sequence_change_major: bool
     sequence_cosine: float
+    sequence_length_change: float  # relative, among ops inside autograd
+    saved_bytes_change: float  # relative change of the bytes saved for backward
     stage_transition: str | None
     passive_swaps: int
     oom_retries: int

@@ -216,6 +216,8 @@ class Chameleon:
             sequence_changed=profile.comparison.changed,
             sequence_change_major=profile.comparison.major,
             sequence_cosine=profile.comparison.cosine,
+            sequence_length_change=profile.comparison.length_change,
+            saved_bytes_change=profile.comparison.saved_bytes_change,
             stage_transition=None if profile.transition is None else f"{profile.transition.before} -> {profile.transition.after}: {profile.transition.reason}",
             passive_swaps=self._passive_swaps,
             oom_retries=self._oom_retries,

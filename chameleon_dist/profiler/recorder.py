@@ -70,7 +70,9 @@ class TraceRecorder(TorchDispatchMode):
         self.module_paths: list[str] = []
         self.optimizer_active = False
         self._tensor_ids: dict[tuple, int] = {}
-        self._storage_ids: dict[int, int] = {}
+        # storage address -> (storage id, weak reference): an address is reused once its storage died, and
+        # storages from before the iteration are not followed to their death, so identity is checked
+        self._storage_ids: dict[int, tuple[int, weakref.ReferenceType]] = {}
         self._module_stack: list[int] = []
         self._layer_start_s: dict[int, float] = {}
         self.layer_times_s: dict[int, float] = {}
@@ -132,6 +134,9 @@ class TraceRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._scope.paused:
             return func(*args, **kwargs)
+        name_id = self._id_of(func)
+        if name_id is None:
+            return func(*args, **kwargs)
         input_ids = tuple(self._tensor_id(t) for t in tree_leaves((args, kwargs)) if _traceable(t))
         out = func(*args, **kwargs)
         output_ids = tuple(self._tensor_id(t, created_now=True) for t in tree_leaves(out) if _traceable(t))
@@ -142,7 +147,7 @@ class TraceRecorder(TorchDispatchMode):
         module_id = self._module_stack[-1] if self._module_stack else -1
         layer = layer_of(self.module_paths[module_id]) if module_id >= 0 else -1
         self.ops.append(
-            OpRecord(self._id_of(func), phase, self._micro_batch, module_id, layer, input_ids, output_ids, self._live_bytes())
+            OpRecord(name_id, phase, self._micro_batch, module_id, layer, input_ids, output_ids, self._live_bytes())
         )
         return out
 
@@ -155,20 +160,24 @@ class TraceRecorder(TorchDispatchMode):
 
     def _storage_id(self, storage: torch.UntypedStorage, created_now: bool) -> int:
         key = storage._cdata
-        storage_id = self._storage_ids.get(key)
-        if storage_id is None:
-            storage_id = self._storage_ids[key] = len(self.storages)
-            self.storages.append(
-                StorageRecord(storage_id, storage.nbytes(), len(self.ops) if created_now else -1, -1, key in self._parameter_keys)
-            )
-            if created_now:  # storages from before the iteration (parameters, inputs) outlive it
-                weakref.finalize(storage, _storage_died, weakref.ref(self), key, storage_id)
+        known = self._storage_ids.get(key)
+        if known is not None and known[1]() is storage:
+            return known[0]
+        storage_id = len(self.storages)
+        self._storage_ids[key] = (storage_id, weakref.ref(storage))
+        self.storages.append(
+            StorageRecord(storage_id, storage.nbytes(), len(self.ops) if created_now else -1, -1, key in self._parameter_keys)
+        )
+        if created_now:  # storages from before the iteration (parameters, inputs) outlive it
+            weakref.finalize(storage, _storage_died, weakref.ref(self), key, storage_id)
         return storage_id
 
     def storage_died(self, key: int, storage_id: int) -> None:
-        if not self._finished and self._storage_ids.get(key) == storage_id:
-            del self._storage_ids[key]
+        if not self._finished:
             self.storages[storage_id].freed_at = len(self.ops)
+            known = self._storage_ids.get(key)
+            if known is not None and known[0] == storage_id:
+                del self._storage_ids[key]
 
     def _tensor_id(self, tensor: torch.Tensor, created_now: bool = False) -> int:
         storage = tensor.untyped_storage()

@@ -23,15 +23,21 @@ from chameleon_dist.profiler.scope import TrainingScope
 
 
 class OpVocabulary:
-    """Aten op -> small integer id, in order of first appearance."""
+    """Aten op -> small integer id, in order of first appearance. Profiler markers (``record_function``
+    enter/exit, e.g. around ``Optimizer.step``) are not computation: their id is None."""
 
     def __init__(self) -> None:
-        self._ids: dict[object, int] = {}
+        self._ids: dict[object, int | None] = {}
         self.names: list[str] = []
 
-    def id_of(self, func) -> int:
-        op_id = self._ids.get(func)
-        if op_id is None:
+    def id_of(self, func) -> int | None:
+        try:
+            return self._ids[func]
+        except KeyError:
+            pass
+        if getattr(func, "namespace", None) == "profiler":
+            op_id = self._ids[func] = None
+        else:
             op_id = self._ids[func] = len(self.names)
             self.names.append(str(func))
         return op_id
@@ -53,7 +59,8 @@ class SignatureMode(TorchDispatchMode):
         scope = self._scope
         if not scope.paused:
             op_id = self._id_of(func)
-            self.ids.append(op_id if scope.in_autograd() else ~op_id)
+            if op_id is not None:
+                self.ids.append(op_id if scope.in_autograd() else ~op_id)
         return func(*args, **(kwargs or {}))
 
 
