@@ -48,8 +48,10 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 class StorageMeter(TorchDispatchMode):
     """Counts live device bytes by storage; raises an out-of-memory error at ``capacity_bytes``."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, include_meta: bool = False) -> None:
+        """``include_meta`` also counts meta tensors (traces of full-size models without memory)."""
         super().__init__()
+        self._counted = _has_storage_or_meta if include_meta else _has_storage
         if capacity_bytes <= 0:
             raise ValueError(f"device.capacity must be > 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
@@ -135,7 +137,8 @@ class StorageMeter(TorchDispatchMode):
         return out
 
     def _account_outputs(self, func, args, kwargs, out) -> None:
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and _has_storage(t)]
+        counted = self._counted
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and counted(t)]
         if not outputs:
             return
         input_keys: set[int] | None = None
@@ -148,7 +151,7 @@ class StorageMeter(TorchDispatchMode):
                 known = self._tracked.get(key)
                 if known is None:
                     if input_keys is None:
-                        input_keys = set() if func in _FRESH_FROM_DATA else _storage_keys(args, kwargs)
+                        input_keys = set() if func in _FRESH_FROM_DATA else _storage_keys(args, kwargs, counted)
                     if key in input_keys:  # a view of / in-place on a storage we never saw created
                         continue
                 elif known == nbytes:
@@ -186,9 +189,13 @@ def _has_storage(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and t.device.type != "meta"
 
 
-def _storage_keys(args, kwargs) -> set[int]:
+def _has_storage_or_meta(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided
+
+
+def _storage_keys(args, kwargs, counted=_has_storage) -> set[int]:
     keys = set()
     for t in tree_leaves((args, kwargs)):
-        if isinstance(t, torch.Tensor) and _has_storage(t):
+        if isinstance(t, torch.Tensor) and counted(t):
             keys.add(storage_key(t.untyped_storage()))
     return keys

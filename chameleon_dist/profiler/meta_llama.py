@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
+import sys
 import time
 import types
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from chameleon_dist.device.meter import StorageMeter
 from chameleon_dist.profiler.recorder import TraceRecorder
+from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import OpVocabulary
 from chameleon_dist.trace.step_trace import BACKWARD, StepTrace
 
@@ -175,70 +174,21 @@ def build_llama(shape: LlamaShape, device: str | torch.device = "meta") -> Llama
 
 
 # ---- recording -----------------------------------------------------------------------------------
-class MetaByteCounter(TorchDispatchMode):
-    """Live bytes by storage, for tensors on any device (meta included): a storage an op produces is
-    counted once (views cost nothing) until ``weakref.finalize`` reports that it died."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._tracked: dict[int, int] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-
-    def current_bytes(self) -> int:
-        return self.live_bytes
-
-    def track(self, tensor: torch.Tensor) -> None:
-        self._register(tensor.untyped_storage())
-
-    def _register(self, storage: torch.UntypedStorage) -> None:
-        key, nbytes = storage._cdata, storage.nbytes()
-        with self._lock:
-            old = self._tracked.get(key)
-            if old is None:
-                weakref.finalize(storage, self._release, key)
-            self._tracked[key] = nbytes
-            self.live_bytes += nbytes - (old or 0)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def _release(self, key: int) -> None:
-        with self._lock:
-            self.live_bytes -= self._tracked.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        input_keys = None
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                continue
-            storage = t.untyped_storage()
-            known = self._tracked.get(storage._cdata)
-            if known is None:
-                if input_keys is None:
-                    input_keys = {
-                        a.untyped_storage()._cdata
-                        for a in tree_leaves((args, kwargs))
-                        if isinstance(a, torch.Tensor) and a.layout == torch.strided
-                    }
-                if storage._cdata in input_keys:  # a view of a storage made before counting began
-                    continue
-            elif known == storage.nbytes():
-                continue
-            self._register(storage)
-        return out
+UNBOUNDED_BYTES = sys.maxsize
 
 
 class _SavedTensorMarker:
     """Saved-tensor hooks: tell the recorder, hand autograd a detached alias (the tensor itself would
     form a reference cycle through its own grad_fn; see ``executor.records.KeptRecord``)."""
 
-    def __init__(self, recorder: TraceRecorder) -> None:
+    def __init__(self, recorder: TraceRecorder, scope: TrainingScope) -> None:
         self._recorder = recorder
+        self._scope = scope
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._recorder.on_saved(tensor)
-        return tensor.detach()
+        with self._scope.quiet():  # the hook's own detach is not part of the model's sequence
+            self._recorder.on_saved(tensor)
+            return tensor.detach()
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -264,15 +214,18 @@ def record_meta_trace(shape: LlamaShape, device: str | torch.device = "meta") ->
     tokens = torch.zeros(b, s, dtype=torch.int64, device=device)
     labels = torch.zeros(b, s, dtype=torch.int64, device=device)
     state = list(model.parameters()) + list(model.buffers())
-    counter = MetaByteCounter()
+    counter = StorageMeter(UNBOUNDED_BYTES, include_meta=True)
     for tensor in state + [tokens, labels]:
         counter.track(tensor)
     model_state_bytes = counter.live_bytes - 2 * tokens.untyped_storage().nbytes()
+    scope = TrainingScope()
+    scope.watch(model)
     recorder = TraceRecorder(
-        OpVocabulary(), counter.current_bytes, {t.untyped_storage()._cdata for t in state}, iteration=1, emulated=True
+        OpVocabulary(), lambda: counter.live_bytes, {t.untyped_storage()._cdata for t in state}, iteration=1,
+        emulated=True, scope=scope,
     )
     recorder.watch_modules(model)
-    marker = _SavedTensorMarker(recorder)
+    marker = _SavedTensorMarker(recorder, scope)
     start_s = time.perf_counter()
     try:
         with counter, recorder, torch.autograd.graph.saved_tensors_hooks(marker.pack, marker.unpack):
