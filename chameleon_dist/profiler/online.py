@@ -22,10 +22,10 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Observation:
-    """One iteration being observed."""
+    """One iteration being observed: its signature ids, and the detailed recorder in WarmUp."""
 
     stage: str
-    signature_mode: SignatureMode
+    ids: list[int]
     recorder: TraceRecorder | None
 
 
@@ -64,25 +64,29 @@ class OnlineProfiler:
 
     @contextlib.contextmanager
     def observe(self, iteration: int, models: Iterable[nn.Module], parameter_keys: set[int]) -> Iterator[Observation]:
-        """Signature always; a detailed recorder in WarmUp. Enter after the device's metering."""
+        """Signature always; a detailed recorder in WarmUp, which then takes the signature too (one
+        dispatch mode instead of two). Enter after the device's metering."""
         stage = self.stages.stage
-        recorder = None
+        ids: list[int] = []
         if stage == WARMUP:
             recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys, iteration, self._emulated, self.scope)
+            recorder.signature_ids = ids
             for model in models:
                 recorder.watch_modules(model)
-        signature_mode = SignatureMode(self.vocabulary, self.scope)
-        observation = Observation(stage, signature_mode, recorder)
+            mode = recorder
+        else:
+            recorder = None
+            mode = SignatureMode(self.vocabulary, self.scope, ids)
+        observation = Observation(stage, ids, recorder)
         try:
-            with recorder if recorder is not None else contextlib.nullcontext():
-                with signature_mode:
-                    yield observation
+            with mode:
+                yield observation
         finally:
             if recorder is not None:
                 self.last_trace = recorder.finish()
 
     def conclude(self, observation: Observation, saved_bytes: list[int], passive_swaps: int) -> IterationProfile:
-        signature = Signature.of(observation.signature_mode.ids, saved_bytes)
+        signature = Signature.of(observation.ids, saved_bytes)
         comparison = compare(signature, self.reference, self.length_change, self.cosine_threshold)
         if comparison.changed:
             logger.info("operator sequence: %s (%d ops vs %d)", comparison.reason, comparison.num_ops, comparison.reference_num_ops)

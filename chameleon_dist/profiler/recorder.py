@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import OpVocabulary
@@ -63,7 +62,7 @@ class TraceRecorder(TorchDispatchMode):
         self._parameter_keys = parameter_storage_keys
         self.iteration = iteration
         self.emulated = emulated
-        self.ops: list[OpRecord] = []
+        self.ops: list[tuple] = []  # OpRecord fields as plain tuples; OpRecords are built in finish()
         self.tensors: list[TensorRecord] = []
         self.storages: list[StorageRecord] = []
         self.swaps: list[SwapRecord] = []
@@ -73,7 +72,9 @@ class TraceRecorder(TorchDispatchMode):
         # storage address -> (storage id, weak reference): an address is reused once its storage died, and
         # storages from before the iteration are not followed to their death, so identity is checked
         self._storage_ids: dict[int, tuple[int, weakref.ReferenceType]] = {}
+        self._watched: dict[int, tuple[int, int, weakref.ReferenceType]] = {}  # id(ref) -> (key, storage id, ref)
         self._module_stack: list[int] = []
+        self._module_layers: list[int] = []
         self._layer_start_s: dict[int, float] = {}
         self.layer_times_s: dict[int, float] = {}
         self._micro_batch = 0
@@ -82,6 +83,7 @@ class TraceRecorder(TorchDispatchMode):
         self._start_live_bytes = live_bytes()
         self._handles: list = []
         self._finished = False
+        self.signature_ids: list[int] | None = None  # when set, the signature is taken here too (one mode)
 
     # ---- modules ----------------------------------------------------------------------------
     def watch_modules(self, model: nn.Module) -> None:
@@ -89,6 +91,7 @@ class TraceRecorder(TorchDispatchMode):
         for path, module in model.named_modules():
             module_id = len(self.module_paths)
             self.module_paths.append(path or type(module).__name__)
+            self._module_layers.append(layer_of(path))
             layer = layer_of(path) if _is_layer_path(path) else -1
             self._handles.append(module.register_forward_pre_hook(self._enter(module_id, layer)))
             self._handles.append(module.register_forward_hook(self._leave(layer)))
@@ -130,26 +133,51 @@ class TraceRecorder(TorchDispatchMode):
         return len(self.ops)
 
     # ---- ops --------------------------------------------------------------------------------
+    # The hot path of profiling iterations: flat scans instead of pytree (aten schemas nest at most one
+    # list deep), tuples instead of records, one weak reference per new storage.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if self._scope.paused:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
         name_id = self._id_of(func)
         if name_id is None:
-            return func(*args, **kwargs)
-        input_ids = tuple(self._tensor_id(t) for t in tree_leaves((args, kwargs)) if _traceable(t))
-        out = func(*args, **kwargs)
-        output_ids = tuple(self._tensor_id(t, created_now=True) for t in tree_leaves(out) if _traceable(t))
+            return func(*args, **kwargs) if kwargs else func(*args)
+        inputs: list[int] = []
+        self._scan(args, inputs, False)
+        if kwargs:
+            self._scan(kwargs.values(), inputs, False)
+            out = func(*args, **kwargs)
+        else:
+            out = func(*args)
+        outputs: list[int] = []
+        self._scan((out,), outputs, True)
         phase = self._phase()
-        if phase == FORWARD and self._last_phase == BACKWARD:
-            self._micro_batch += 1
-        self._last_phase = phase if phase in (FORWARD, BACKWARD) else self._last_phase
-        module_id = self._module_stack[-1] if self._module_stack else -1
-        layer = layer_of(self.module_paths[module_id]) if module_id >= 0 else -1
+        if phase is FORWARD:
+            if self._last_phase is BACKWARD:
+                self._micro_batch += 1
+            self._last_phase = FORWARD
+        elif phase is BACKWARD:
+            self._last_phase = BACKWARD
+        stack = self._module_stack
+        module_id = stack[-1] if stack else -1
+        layer = self._module_layers[module_id] if stack else -1
         self.ops.append(
-            OpRecord(name_id, phase, self._micro_batch, module_id, layer, input_ids, output_ids, self._live_bytes())
+            (name_id, phase, self._micro_batch, module_id, layer, tuple(inputs), tuple(outputs), self._live_bytes())
         )
+        if self.signature_ids is not None:  # the same rule as SignatureMode
+            inside = phase is not OTHER and (phase is not OPTIMIZER or self._scope.in_autograd())
+            self.signature_ids.append(name_id if inside else ~name_id)
         return out
+
+    def _scan(self, values, into: list[int], created_now: bool) -> None:
+        tensor_id = self._tensor_id
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                if value.layout == torch.strided:
+                    into.append(tensor_id(value, created_now))
+            elif type(value) is list or type(value) is tuple:
+                for item in value:
+                    if isinstance(item, torch.Tensor) and item.layout == torch.strided:
+                        into.append(tensor_id(item, created_now))
 
     def _phase(self) -> str:
         if torch._C._current_graph_task_id() != -1:
@@ -164,25 +192,31 @@ class TraceRecorder(TorchDispatchMode):
         if known is not None and known[1]() is storage:
             return known[0]
         storage_id = len(self.storages)
-        self._storage_ids[key] = (storage_id, weakref.ref(storage))
+        if created_now:  # followed to its death; storages from before the iteration outlive it
+            ref = weakref.ref(storage, self._storage_died)
+            self._watched[id(ref)] = (key, storage_id, ref)
+        else:
+            ref = weakref.ref(storage)
+        self._storage_ids[key] = (storage_id, ref)
         self.storages.append(
             StorageRecord(storage_id, storage.nbytes(), len(self.ops) if created_now else -1, -1, key in self._parameter_keys)
         )
-        if created_now:  # storages from before the iteration (parameters, inputs) outlive it
-            weakref.finalize(storage, _storage_died, weakref.ref(self), key, storage_id)
         return storage_id
 
-    def storage_died(self, key: int, storage_id: int) -> None:
-        if not self._finished:
-            self.storages[storage_id].freed_at = len(self.ops)
-            known = self._storage_ids.get(key)
-            if known is not None and known[0] == storage_id:
-                del self._storage_ids[key]
+    def _storage_died(self, ref: weakref.ReferenceType) -> None:
+        watched = self._watched.pop(id(ref), None)
+        if watched is None or self._finished:
+            return
+        key, storage_id, _ = watched
+        self.storages[storage_id].freed_at = len(self.ops)
+        known = self._storage_ids.get(key)
+        if known is not None and known[0] == storage_id:
+            del self._storage_ids[key]
 
     def _tensor_id(self, tensor: torch.Tensor, created_now: bool = False) -> int:
         storage = tensor.untyped_storage()
         storage_id = self._storage_id(storage, created_now)
-        key = (storage_id, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        key = (storage_id, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         tensor_id = self._tensor_ids.get(key)
         if tensor_id is None:
             tensor_id = self._tensor_ids[key] = len(self.tensors)
@@ -197,9 +231,11 @@ class TraceRecorder(TorchDispatchMode):
     # ---- result -----------------------------------------------------------------------------
     def finish(self) -> StepTrace:
         self._finished = True
+        self._watched.clear()  # drops the death callbacks (and the cycle through them)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.ops = [OpRecord(*row) for row in self.ops]
         return StepTrace(
             iteration=self.iteration,
             op_names=list(self._vocabulary.names),
@@ -213,16 +249,6 @@ class TraceRecorder(TorchDispatchMode):
             layer_times_s=dict(self.layer_times_s),
             emulated=self.emulated,
         )
-
-
-def _storage_died(recorder_ref: "weakref.ReferenceType[TraceRecorder]", key: int, storage_id: int) -> None:
-    recorder = recorder_ref()
-    if recorder is not None:
-        recorder.storage_died(key, storage_id)
-
-
-def _traceable(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 def _is_layer_path(path: str) -> bool:

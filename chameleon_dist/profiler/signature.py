@@ -49,9 +49,9 @@ class OpVocabulary:
 class SignatureMode(TorchDispatchMode):
     """Records the op-id sequence of one iteration (a few list appends per op)."""
 
-    def __init__(self, vocabulary: OpVocabulary, scope: TrainingScope | None = None) -> None:
+    def __init__(self, vocabulary: OpVocabulary, scope: TrainingScope | None = None, ids: list[int] | None = None) -> None:
         super().__init__()
-        self.ids: list[int] = []
+        self.ids: list[int] = [] if ids is None else ids
         self._id_of = vocabulary.id_of
         self._scope = scope if scope is not None else TrainingScope()
 
