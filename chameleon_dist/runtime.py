@@ -110,7 +110,7 @@ class Chameleon:
         start_s = time.perf_counter()
         counters = SwapCounters()
         try:
-            observing = self.profiler.observe(self._iteration + 1, self._models, self.executor.protected_keys())
+            observing = self.profiler.observe(self._iteration + 1, self._models, self.executor.protected_keys)
             with self.device.active(), observing as observation:
                 self._observation = observation
                 self.executor.observer = observation.recorder

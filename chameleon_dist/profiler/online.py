@@ -63,13 +63,15 @@ class OnlineProfiler:
         return self.stages.stage
 
     @contextlib.contextmanager
-    def observe(self, iteration: int, models: Iterable[nn.Module], parameter_keys: set[int]) -> Iterator[Observation]:
+    def observe(
+        self, iteration: int, models: Iterable[nn.Module], parameter_keys: Callable[[], set[int]]
+    ) -> Iterator[Observation]:
         """Signature always; a detailed recorder in WarmUp, which then takes the signature too (one
         dispatch mode instead of two). Enter after the device's metering."""
         stage = self.stages.stage
         ids: list[int] = []
         if stage == WARMUP:
-            recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys, iteration, self._emulated, self.scope)
+            recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated, self.scope)
             recorder.signature_ids = ids
             for model in models:
                 recorder.watch_modules(model)
