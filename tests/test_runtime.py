@@ -140,3 +140,24 @@ def test_two_runtimes_live_in_one_process():
     _step(b, model_b)
     assert a.last_report.swap_out_bytes == b.last_report.swap_out_bytes > 0
     assert a.device.live_bytes() == b.device.live_bytes()
+
+
+def test_a_passive_swap_is_counted_and_sends_the_runtime_back_to_warmup():
+    """Over a slow link, swap-outs are still in flight when memory runs short: the pressure handler
+    waits for them (their blocks are released) instead of failing, and the stage machine restarts."""
+    model = make_lm(0, **MODEL)
+    device = EmulatedDevice(int(_peak(0) * 1.1), h2d_bytes_per_s=50e6, d2h_bytes_per_s=50e6)
+    chameleon = Chameleon(
+        {"min_swap_bytes": 0, "profiler": {"warmup_iterations": 1, "policy_trials": 1}}, device=device
+    )
+    chameleon.attach(model)
+    reference = make_lm(0, **MODEL)
+    _closure(reference, 2)()
+    _step(chameleon, model)
+    report = chameleon.last_report
+    assert report.passive_swaps > 0 and report.oom_retries == 0
+    assert report.peak_device_bytes <= device.capacity_bytes
+    assert report.stage_transition.startswith("warmup -> warmup") and "passive swap" in report.stage_transition
+    assert chameleon.stage == "warmup"
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
