@@ -98,3 +98,12 @@ def test_zero_warmup_goes_straight_to_gen_policy():
     assert machine.stage == GEN_POLICY
     assert machine.advance(False, 0).after == STABLE
     assert machine.advance(True, 0, "x").after == GEN_POLICY
+
+
+def test_a_major_change_restarts_warmup_from_gen_policy_but_not_within_warmup():
+    machine = StageMachine(warmup_iterations=2, policy_trials=2)
+    assert machine.advance(False, 0) is None  # iteration 1
+    transition = machine.advance(True, 0, "lazy initialisation in iteration 1")  # iteration 2 differs from 1
+    assert transition.after == GEN_POLICY, "WarmUp renews its reference every iteration: no restart"
+    transition = machine.advance(True, 0, "branch taken")
+    assert (transition.before, transition.after) == (GEN_POLICY, WARMUP)

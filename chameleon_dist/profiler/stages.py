@@ -3,7 +3,9 @@
 - WarmUp (``warmup_iterations``): detailed profiling; out-of-memory is absorbed by passive swap.
 - GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration.
 - Stable: only the cheap signature. A major sequence change or a passive swap returns to WarmUp.
-A major change during WarmUp or GenPolicy restarts WarmUp (the trace no longer describes the job).
+A major change during GenPolicy restarts WarmUp (the trace no longer describes the job). During WarmUp
+it does not: every WarmUp iteration renews the trace and the reference anyway, and the first iteration
+of a job (lazy initialisation: optimizer state, framework buffers) routinely differs from the second.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class StageMachine:
         before = self.stage
         if passive_swaps:
             return self._go(WARMUP, f"{passive_swaps} passive swap(s): the device ran out of memory", before)
-        if major_change:
+        if major_change and self.stage != WARMUP:
             return self._go(WARMUP, f"operator sequence changed: {change_reason}", before)
         self._done_in_stage += 1
         if self.stage == WARMUP and self._done_in_stage >= self.warmup_iterations:
