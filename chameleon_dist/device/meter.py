@@ -12,15 +12,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from chameleon_dist.device.base import PressureHandler
 from chameleon_dist.units import format_bytes
 
-PressureHandler = Callable[[int], int]
 
 
 class EmulatedOutOfMemoryError(torch.OutOfMemoryError):

@@ -1,7 +1,7 @@
 """What the swap executor hands autograd instead of a saved tensor.
 
 ``SwapEntry`` is one device storage on its way to the host and back (shared by every saved tensor that
-views it); ``SwapRecord`` is one saved tensor: which entry, and how to rebuild the exact view (dtype,
+views it); ``SwappedTensor`` is one saved tensor: which entry, and how to rebuild the exact view (dtype,
 size, stride, storage offset) plus what autograd would check on unpack (the version counter).
 """
 
@@ -27,7 +27,7 @@ class SwapEntry:
         self.nbytes = to_host.nbytes
         self.version = version
         self.position = position  # index in the iteration's swap-out order
-        self.trace_index = -1  # index of its SwapRecord in a detailed trace, when one is recorded
+        self.trace_index = -1  # index of its SwappedTensor in a detailed trace, when one is recorded
         self.to_host: CopyHandle | None = to_host
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None
@@ -84,7 +84,7 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"torch.{type(tensor).__name__}{list(tensor.shape)} ({tensor.dtype})"
 
 
-class KeptRecord:
+class KeptTensor:
     """A saved tensor that stays on the device.
 
     Autograd gets a detached alias, not the tensor itself: a tensor saved by its own grad_fn (an op's
@@ -105,7 +105,7 @@ class KeptRecord:
         return self.tensor
 
 
-class SwapRecord:
+class SwappedTensor:
     """One saved tensor that was swapped out (its storage lives in ``entry``)."""
 
     __slots__ = ("entry", "dtype", "size", "stride", "storage_offset", "version", "base", "description")

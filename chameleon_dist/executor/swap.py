@@ -22,7 +22,7 @@ from torch import nn
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
-from chameleon_dist.executor.records import KeptRecord, SwapEntry, SwapRecord
+from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -122,18 +122,18 @@ class SwapExecutor:
             return False
         return self.device.is_device_tensor(tensor)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | KeptRecord | SwapRecord:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | KeptTensor | SwappedTensor:
         with self.quiet():
             return self._pack_quietly(tensor)
 
-    def _pack_quietly(self, tensor: torch.Tensor) -> torch.Tensor | KeptRecord | SwapRecord:
+    def _pack_quietly(self, tensor: torch.Tensor) -> torch.Tensor | KeptTensor | SwappedTensor:
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
         if self.observer is not None:
             self.observer.on_saved(tensor)
         entry = self._entry_for(tensor) if self._eligible(tensor) else None
-        return KeptRecord(tensor) if entry is None else SwapRecord(entry, tensor)
+        return KeptTensor(tensor) if entry is None else SwappedTensor(entry, tensor)
 
     def _entry_for(self, tensor: torch.Tensor) -> SwapEntry | None:
         storage = tensor.untyped_storage()
@@ -163,14 +163,14 @@ class SwapExecutor:
         self._swapped_since_release = True
         return entry
 
-    def _unpack(self, packed: torch.Tensor | KeptRecord | SwapRecord) -> torch.Tensor:
+    def _unpack(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         with self.quiet():
             return self._unpack_quietly(packed)
 
-    def _unpack_quietly(self, packed: torch.Tensor | KeptRecord | SwapRecord) -> torch.Tensor:
-        if isinstance(packed, KeptRecord):
+    def _unpack_quietly(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
+        if isinstance(packed, KeptTensor):
             return packed.unpack()
-        if not isinstance(packed, SwapRecord):
+        if not isinstance(packed, SwappedTensor):
             return packed
         packed.check_version()
         if self._swapped_since_release:

@@ -179,7 +179,7 @@ UNBOUNDED_BYTES = sys.maxsize
 
 class _SavedTensorMarker:
     """Saved-tensor hooks: tell the recorder, hand autograd a detached alias (the tensor itself would
-    form a reference cycle through its own grad_fn; see ``executor.records.KeptRecord``)."""
+    form a reference cycle through its own grad_fn; see ``executor.records.KeptTensor``)."""
 
     def __init__(self, recorder: TraceRecorder, scope: TrainingScope) -> None:
         self._recorder = recorder
