@@ -49,6 +49,8 @@ class SwapObserver(Protocol):
 
     def on_swap_in(self, swap_index: int, at_op: int) -> None: ...
 
+    def on_restored(self, swap_index: int, tensor: torch.Tensor) -> None: ...
+
     @property
     def op_count(self) -> int: ...
 
@@ -183,7 +185,10 @@ class SwapExecutor:
             self._swap_in(entry)
             entry.finish_swap_in()
             self._prefetch_before(entry)
-        return packed.rebuild(entry.device_bytes)
+        tensor = packed.rebuild(entry.device_bytes)
+        if self.observer is not None and entry.trace_index >= 0:
+            self.observer.on_restored(entry.trace_index, tensor)
+        return tensor
 
     def _swap_in(self, entry: SwapEntry) -> None:
         at_op = self.observer.op_count if self.observer is not None else -1

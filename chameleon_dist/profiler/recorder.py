@@ -66,6 +66,7 @@ class TraceRecorder(TorchDispatchMode):
         self.tensors: list[TensorRecord] = []
         self.storages: list[StorageRecord] = []
         self.swaps: list[SwapRecord] = []
+        self.saves: list[tuple[int, int]] = []
         self.module_paths: list[str] = []
         self.optimizer_active = False
         self._tensor_ids: dict[tuple, int] = {}
@@ -117,7 +118,9 @@ class TraceRecorder(TorchDispatchMode):
     # ---- notes from the executor ---------------------------------------------------------------
     def on_saved(self, tensor: torch.Tensor) -> None:
         if tensor.layout == torch.strided:
-            self.tensors[self._tensor_id(tensor)].saved = True
+            tensor_id = self._tensor_id(tensor)
+            self.tensors[tensor_id].saved = True
+            self.saves.append((tensor_id, len(self.ops)))
 
     def on_swap_out(self, storage: torch.UntypedStorage) -> int:
         storage_id = self._storage_id(storage, created_now=False)
@@ -127,6 +130,13 @@ class TraceRecorder(TorchDispatchMode):
     def on_swap_in(self, swap_index: int, at_op: int) -> None:
         if 0 <= swap_index < len(self.swaps):
             self.swaps[swap_index].restored_at = at_op
+
+    def on_restored(self, swap_index: int, tensor: torch.Tensor) -> None:
+        """Backward reads a swapped tensor from its restored copy: record those reads as reads of the
+        original storage, so the trace shows the uses an iteration without swapping would have."""
+        if 0 <= swap_index < len(self.swaps) and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            self._storage_ids[storage._cdata] = (self.swaps[swap_index].storage_id, weakref.ref(storage))
 
     @property
     def op_count(self) -> int:
@@ -247,6 +257,7 @@ class TraceRecorder(TorchDispatchMode):
             iteration_s=time.perf_counter() - self._start_s,
             start_live_bytes=self._start_live_bytes,
             layer_times_s=dict(self.layer_times_s),
+            saves=self.saves,
             emulated=self.emulated,
         )
 

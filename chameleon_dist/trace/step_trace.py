@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)  # version 1 had no ``saves``
 
 FORWARD, BACKWARD, OPTIMIZER, OTHER = "forward", "backward", "optimizer", "other"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER, OTHER)
@@ -77,6 +78,9 @@ class StepTrace:
     iteration_s: float
     start_live_bytes: int
     layer_times_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    # (tensor id, op index) per tensor autograd saved, in save order; the op index counts the ops recorded
+    # when it was saved, so the saving op is ``ops[op_index - 1]``
+    saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     emulated: bool = True
     schema_version: int = SCHEMA_VERSION
 
@@ -149,6 +153,7 @@ class StepTrace:
             "op_names": self.op_names,
             "module_paths": self.module_paths,
             "layer_times_s": {str(k): v for k, v in self.layer_times_s.items()},
+            "saves": [list(save) for save in self.saves],
             "ops": [dataclasses.astuple(op) for op in self.ops],
             "tensors": [dataclasses.astuple(t) for t in self.tensors],
             "storages": [dataclasses.astuple(s) for s in self.storages],
@@ -158,8 +163,10 @@ class StepTrace:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepTrace":
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"trace schema version {version!r} is not supported (this build reads {SCHEMA_VERSION})")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise ValueError(
+                f"trace schema version {version!r} is not supported (this build reads {READABLE_SCHEMA_VERSIONS})"
+            )
         return cls(
             iteration=data["iteration"],
             op_names=list(data["op_names"]),
@@ -171,6 +178,7 @@ class StepTrace:
             iteration_s=data["iteration_s"],
             start_live_bytes=data["start_live_bytes"],
             layer_times_s={int(k): v for k, v in data.get("layer_times_s", {}).items()},
+            saves=[(int(t), int(i)) for t, i in data.get("saves", [])],
             emulated=data["emulated"],
         )
 

@@ -1,0 +1,23 @@
+"""Policy generation: logical layers and their timing, candidates and Eq. 2 scores, the simulator, and the
+``Policy`` the executor applies. Pure Python over a ``StepTrace``; no device needed."""
+
+from chameleon_dist.policy.candidates import Candidate, Reduction, find_candidates, reduction_list, score_candidates
+from chameleon_dist.policy.generator import PolicySet, PolicySettings, generate_policies
+from chameleon_dist.policy.layers import (
+    Eq1Error,
+    LayerGroup,
+    calibrated_group_times_s,
+    eq1_error,
+    eq1_group_times_s,
+    logical_layers,
+)
+from chameleon_dist.policy.model import POLICY_SCHEMA_VERSION, LayerLoad, Policy, PolicyEntry
+from chameleon_dist.policy.simulator import KEEP, RECOMPUTE, SWAP, Planned, SimResult, simulate
+
+__all__ = [
+    "Candidate", "Reduction", "find_candidates", "reduction_list", "score_candidates",
+    "PolicySet", "PolicySettings", "generate_policies",
+    "Eq1Error", "LayerGroup", "calibrated_group_times_s", "eq1_error", "eq1_group_times_s", "logical_layers",
+    "POLICY_SCHEMA_VERSION", "LayerLoad", "Policy", "PolicyEntry",
+    "KEEP", "RECOMPUTE", "SWAP", "Planned", "SimResult", "simulate",
+]

@@ -1,0 +1,147 @@
+"""The ``Policy``: what to do with each saved tensor, where to find it at run time, and what it predicts.
+
+Eager tensors have no stable identity across iterations, so each entry carries the features the executor
+matches on (micro-batch, layer, the saving op's name and position in the op sequence, the tensor's
+argument position, dtype, shape and bytes, its ordinal among the saves of its layer), the trigger points
+(op indices) for swap-out, release and swap-in, and the decision. JSON round-trip with a schema version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from chameleon_dist.units import format_bytes
+
+POLICY_SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(slots=True)
+class PolicyEntry:
+    decision: str  # "swap" or "recompute"
+    nbytes: int  # bytes of the storage leaving the device
+    # matching features
+    micro_batch: int
+    layer: int  # logical-layer label of the saving op
+    group: int  # logical-layer group index
+    save_ordinal: int  # ordinal of this storage among all saved storages of the iteration
+    layer_save_ordinal: int  # ordinal among the saved storages of its (micro-batch, layer)
+    save_op_index: int  # ops seen when autograd saved it
+    calling_op: str  # the op that saved it
+    arg_position: int  # its position among the calling op's inputs; -(k + 1): k-th output; -99: neither
+    dtype: str
+    shape: tuple[int, ...]
+    tensor_nbytes: int  # bytes of the saved view
+    # triggers (op indices of the profiled iteration)
+    swap_out_at: int  # issue the device-to-host copy at the end of this op
+    last_forward_use: int
+    release_at: int  # predicted earliest safe release (end of this op), -1: not released
+    swap_in_at: int  # issue the host-to-device copy at the start of this op
+    first_use_at: int
+    # predictions
+    predicted_stall_s: float = 0.0
+    recompute_s: float = 0.0
+
+
+@dataclasses.dataclass
+class LayerLoad:
+    """Per logical layer (label), bytes each decision takes off the device and the copy seconds issued."""
+
+    layer: int
+    swap_bytes: int = 0
+    recompute_bytes: int = 0
+    d2h_s: float = 0.0
+    h2d_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Policy:
+    name: str
+    budget_bytes: int
+    feasible: bool
+    predicted_peak_bytes: int
+    no_swap_peak_bytes: int
+    predicted_stall_s: float
+    predicted_recompute_s: float
+    predicted_iteration_s: float
+    compute_s: float
+    entries: list[PolicyEntry]
+    layers: list[LayerLoad]
+    num_ops: int
+    trace_iteration: int
+    settings: dict[str, Any]
+    host_kept_bytes: int = 0  # candidates left on the device because of host_budget_bytes
+    reason: str = ""
+    emulated: bool = True
+    schema_version: int = POLICY_SCHEMA_VERSION
+
+    @property
+    def shortfall_bytes(self) -> int:
+        """How far the predicted peak is above the budget (0 when it fits)."""
+        return max(0, self.predicted_peak_bytes - self.budget_bytes)
+
+    def saved_bytes(self, decision: str) -> int:
+        return sum(e.nbytes for e in self.entries if e.decision == decision)
+
+    # ---- summary ----------------------------------------------------------------------------
+    def summary(self) -> str:
+        verdict = "fits" if self.feasible else f"DOES NOT FIT (short by {format_bytes(self.shortfall_bytes)})"
+        lines = [
+            f"policy {self.name}: {verdict}; predicted peak {format_bytes(self.predicted_peak_bytes)} vs budget "
+            f"{format_bytes(self.budget_bytes)} (no-swap peak {format_bytes(self.no_swap_peak_bytes)})"
+            + (" (emulated trace)" if self.emulated else ""),
+            f"  time {self.predicted_iteration_s * 1e3:.2f} ms predicted = compute {self.compute_s * 1e3:.2f} ms "
+            f"+ stall {self.predicted_stall_s * 1e3:.2f} ms + recompute {self.predicted_recompute_s * 1e3:.2f} ms",
+            f"  swap {sum(e.decision == 'swap' for e in self.entries)} tensors "
+            f"({format_bytes(self.saved_bytes('swap'))}), recompute {sum(e.decision == 'recompute' for e in self.entries)} "
+            f"tensors ({format_bytes(self.saved_bytes('recompute'))})"
+            + (f"; kept for the host budget: {format_bytes(self.host_kept_bytes)}" if self.host_kept_bytes else ""),
+        ]
+        if self.reason:
+            lines.append(f"  {self.reason}")
+        if self.layers:
+            lines.append("  layer  swapped     recomputed  d2h ms   h2d ms   compute ms")
+            for load in self.layers:
+                if load.swap_bytes or load.recompute_bytes:
+                    lines.append(
+                        f"  {load.layer:5d}  {format_bytes(load.swap_bytes):>10}  {format_bytes(load.recompute_bytes):>10}  "
+                        f"{load.d2h_s * 1e3:7.2f}  {load.h2d_s * 1e3:7.2f}  {load.compute_s * 1e3:9.2f}"
+                    )
+        return "\n".join(lines)
+
+    # ---- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("entries", "layers")}
+        data["entry_fields"] = [f.name for f in dataclasses.fields(PolicyEntry)]
+        data["entries"] = [[getattr(e, f) for f in data["entry_fields"]] for e in self.entries]
+        data["layers"] = [dataclasses.astuple(load) for load in self.layers]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Policy":
+        version = data.get("schema_version")
+        if version != POLICY_SCHEMA_VERSION:
+            raise ValueError(f"policy schema version {version!r} is not supported (this build reads {POLICY_SCHEMA_VERSION})")
+        fields = data["entry_fields"]
+        entries = []
+        for row in data["entries"]:
+            values = dict(zip(fields, row))
+            values["shape"] = tuple(values["shape"])
+            entries.append(PolicyEntry(**values))
+        kwargs = {k: v for k, v in data.items() if k not in ("entries", "layers", "entry_fields")}
+        return cls(entries=entries, layers=[LayerLoad(*row) for row in data["layers"]], **kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Policy":
+        return cls.from_dict(json.loads(Path(path).read_text()))
