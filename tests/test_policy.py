@@ -1,0 +1,219 @@
+"""Policy generator and simulator: hand-checked cases, properties over generated traces, JSON, golden."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chameleon_dist.policy import (
+    RECOMPUTE,
+    SWAP,
+    Planned,
+    Policy,
+    PolicySettings,
+    calibrated_group_times_s,
+    find_candidates,
+    generate_policies,
+    logical_layers,
+    simulate,
+)
+from chameleon_dist.trace.step_trace import StepTrace
+from policy_traces import layered_trace
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _settings(budget, bw=1e6, **kw):
+    return PolicySettings(budget_bytes=budget, d2h_bytes_per_s=bw, h2d_bytes_per_s=bw, **kw)
+
+
+# ---- simulator, by hand ---------------------------------------------------------------------------
+def test_simulator_releases_only_after_the_copy_and_charges_late_prefetch_as_stall():
+    # 6 ops of 1 s; a 2-byte tensor leaves after op 0 over a 1 B/s link (2 s), last forward use op 1,
+    # first backward use op 5, swap-in issued at the start of op 4 (2 s copy, 1 s of compute to hide it)
+    base = [10, 10, 10, 10, 10, 10]
+    p = Planned(2, SWAP, last_forward_use=1, first_backward_use=5, swap_out_at=0, swap_in_at=4)
+    sim = simulate(base, [1.0] * 6, [p], d2h_bytes_per_s=1.0, h2d_bytes_per_s=1.0)
+    out = sim.outcomes[0]
+    assert out.out_done_s == 3.0  # issued at t=1 (end of op 0), 2 s
+    assert out.release_at == 2  # op 1 ends at t=2 < 3; op 2 ends at t=3
+    assert sim.curve == [10, 10, 10, 8, 10, 10]  # off after op 2, back at the start of op 4
+    assert out.in_done_s == 6.0 and sim.stall_s == 1.0  # op 5 could start at t=5
+    assert sim.iteration_s == 7.0 and sim.peak_bytes == 10
+
+
+def test_swap_in_before_release_copies_nothing():
+    p = Planned(4, SWAP, last_forward_use=0, first_backward_use=3, swap_out_at=0, swap_in_at=1)
+    sim = simulate([5, 5, 5, 5], [1.0] * 4, [p], d2h_bytes_per_s=1.0, h2d_bytes_per_s=1.0)
+    assert sim.outcomes[0].kept and not sim.outcomes[0].released
+    assert sim.curve == [5, 5, 5, 5] and sim.stall_s == 0.0
+
+
+def test_recompute_frees_after_last_forward_use_and_costs_the_producer():
+    p = Planned(3, RECOMPUTE, last_forward_use=0, first_backward_use=3, recompute_s=0.5)
+    sim = simulate([9, 9, 9, 9], [1.0] * 4, [p], 1.0, 1.0)
+    assert sim.curve == [9, 6, 6, 9]
+    assert sim.iteration_s == 4.5 and sim.recompute_s == 0.5
+
+
+# ---- layers and timing ----------------------------------------------------------------------------
+def test_logical_layers_follow_transformer_layers_forward_and_backward():
+    trace = layered_trace([[4, 4], [4, 4], [4, 4]], micro_batches=2)
+    groups, rule = logical_layers(trace)
+    assert rule == "module"
+    assert [g.start for g in groups] == sorted(g.start for g in groups)
+    assert sum(g.num_ops for g in groups) == len(trace.ops)
+    fwd = [(g.micro_batch, g.layer) for g in groups if g.phase == "forward"]
+    bwd = [(g.micro_batch, g.layer) for g in groups if g.phase == "backward"]
+    assert fwd == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert bwd == [(0, 2), (0, 1), (0, 0), (1, 2), (1, 1), (1, 0)]
+
+
+def test_calibration_uses_measured_layer_times_and_keeps_the_total():
+    trace = layered_trace([[4, 4], [4, 4]], iteration_s=10.0)
+    groups, _ = logical_layers(trace)
+    trace.layer_times_s = {0: 3.0, 1: 1.0}
+    times = calibrated_group_times_s(trace, groups)
+    assert sum(times) == pytest.approx(10.0)
+    fwd = {g.layer: t for g, t in zip(groups, times) if g.phase == "forward"}
+    assert fwd == {0: pytest.approx(3.0), 1: pytest.approx(1.0)}
+    bwd = {g.layer: t for g, t in zip(groups, times) if g.phase == "backward"}
+    assert bwd[0] == pytest.approx(3 * bwd[1])  # a heavy layer's backward is heavy too
+
+
+# ---- generator ------------------------------------------------------------------------------------
+def test_no_policy_needed_when_the_trace_fits():
+    trace = layered_trace([[100, 100]] * 3)
+    result = generate_policies(trace, _settings(10**9))
+    assert result.feasible and result.best.entries == []
+
+
+def test_infeasible_budget_names_the_shortfall_and_the_setting():
+    trace = layered_trace([[100, 100]] * 3, static_bytes=1000)
+    result = generate_policies(trace, _settings(900))  # below the static bytes: nothing can fit
+    best = result.best
+    assert not result.feasible and best.shortfall_bytes > 0
+    assert "memory_budget" in best.reason and "short by" in best.reason
+    assert "DOES NOT FIT" in best.summary()
+
+
+def test_slow_link_turns_unhideable_swaps_into_exact_recomputes_only():
+    sizes = [[400, 400, 400]] * 4
+    # the first op of each layer reads only a parameter (exact to recompute); name 4 (dropout) draws random
+    # numbers and must never be recomputed
+    names = [[0, 1, 4]] * 4
+    trace = layered_trace(sizes, producer_names=names, static_bytes=100, iteration_s=1.0)
+    result = generate_policies(trace, _settings(3000, bw=1.0, min_swap_bytes=1))
+    kinds = {e.decision for p in result.policies for e in p.entries}
+    assert RECOMPUTE in kinds
+    for policy in result.policies:
+        for e in policy.entries:
+            if e.decision == RECOMPUTE:
+                assert trace.op_names[trace.ops[e.save_op_index - 1].name_id] != "aten.native_dropout.default"
+
+
+def test_policy_json_round_trip_and_summary(tmp_path):
+    trace = layered_trace([[1000, 3000, 500]] * 4, micro_batches=2, static_bytes=500)
+    policy = generate_policies(trace, _settings(12000, bw=1e5)).best
+    assert policy.entries
+    again = Policy.load(policy.save(tmp_path / "p.json"))
+    assert again == policy
+    data = json.loads(policy.to_json())
+    data["schema_version"] = 99
+    with pytest.raises(ValueError, match="schema version"):
+        Policy.from_dict(data)
+    text = policy.summary()
+    assert "predicted peak" in text and "stall" in text and "layer" in text
+
+
+def test_trials_give_distinct_policies_fastest_feasible_first():
+    trace = layered_trace([[1000, 3000, 500, 2000]] * 6, micro_batches=2, static_bytes=500)
+    result = generate_policies(trace, _settings(16000, bw=2e5, trials=5))
+    assert 1 <= len(result.policies) <= 5
+    keys = {tuple((e.save_ordinal, e.decision, e.swap_out_at, e.swap_in_at) for e in p.entries) for p in result.policies}
+    assert len(keys) == len(result.policies)
+    feasible = [p for p in result.policies if p.feasible]
+    assert feasible and result.best is feasible[0]
+    assert [p.predicted_iteration_s for p in feasible] == sorted(p.predicted_iteration_s for p in feasible)
+
+
+def test_parameters_and_preexisting_storages_are_never_candidates():
+    trace = layered_trace([[100, 100]] * 2)
+    trace.storages[trace.tensors[1].storage_id].created_at = -1  # existed before the iteration
+    ids = {c.storage_id for c in find_candidates(trace)}
+    assert 0 not in ids and trace.tensors[1].storage_id not in ids and ids
+
+
+# ---- properties -------------------------------------------------------------------------------------
+layer_sizes = st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max_size=5)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(layer_sizes, min_size=1, max_size=6),
+    micro_batches=st.integers(1, 3),
+    budget_fraction=st.floats(0.2, 1.2),
+    bw=st.sampled_from([1e3, 1e4, 1e5, 1e7]),
+    recompute=st.booleans(),
+)
+def test_policy_properties(sizes, micro_batches, budget_fraction, bw, recompute):
+    trace = layered_trace(sizes, micro_batches=micro_batches, static_bytes=300, iteration_s=0.5)
+    no_swap_peak = max(trace.no_swap_memory_curve())
+    budget = max(1, int(no_swap_peak * budget_fraction))
+    config = _settings(budget, bw=bw, allow_recompute=recompute)
+    result = generate_policies(trace, config)
+    again = generate_policies(trace, config)
+    assert [p.to_json() for p in result.policies] == [p.to_json() for p in again.policies]  # deterministic
+    groups, _ = logical_layers(trace)
+    op_times = [t / g.num_ops for g, t in zip(groups, calibrated_group_times_s(trace, groups)) for _ in range(g.num_ops)]
+    for policy in result.policies:
+        assert policy.feasible == (policy.predicted_peak_bytes <= budget)
+        if not policy.feasible:
+            assert policy.shortfall_bytes == policy.predicted_peak_bytes - budget > 0 and policy.reason
+        planned = [Planned(e.nbytes, e.decision, e.last_forward_use, e.first_use_at, e.swap_out_at, e.swap_in_at,
+                           e.recompute_s) for e in policy.entries]
+        sim = simulate(trace.no_swap_memory_curve(), op_times, planned, bw, bw)
+        assert sim.peak_bytes == policy.predicted_peak_bytes  # the policy says what its replay does
+        assert sim.peak_bytes <= no_swap_peak
+        for e, o in zip(policy.entries, sim.outcomes):
+            assert e.last_forward_use < e.first_use_at
+            if e.decision == SWAP:
+                assert e.last_forward_use < e.swap_in_at <= e.first_use_at  # prefetch before use, after release
+                if o.released:
+                    assert sim.op_end_s[o.release_at] >= o.out_done_s  # never freed before its copy is done
+                    assert o.release_at >= e.last_forward_use and o.release_at < e.swap_in_at
+                    assert o.in_done_s <= sim.op_end_s[e.first_use_at]
+            else:
+                assert recompute
+
+
+# ---- golden: the main job's model ------------------------------------------------------------------
+GOLDEN_BUDGETS_MIB = (100, 80, 60)
+
+
+@pytest.mark.parametrize("budget_mib", GOLDEN_BUDGETS_MIB)
+def test_golden_policies_for_the_main_job_model(budget_mib):
+    trace = StepTrace.load(DATA / "job_trace.json")
+    result = generate_policies(trace, golden_settings(budget_mib))
+    golden = json.loads((DATA / f"job_policies_{budget_mib}mib.json").read_text())
+    assert [json.loads(p.to_json()) for p in result.policies] == golden, (
+        "policy generation changed; if intended, regenerate with `python tests/test_policy.py`"
+    )
+
+
+def golden_settings(budget_mib: int) -> PolicySettings:
+    # the job's emulated link (configs/jobs/train_gpt_cpu.yaml) and swap floor
+    return PolicySettings(budget_bytes=budget_mib * 2**20, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9,
+                          min_swap_bytes=2**20)
+
+
+if __name__ == "__main__":  # regenerate the golden files from tests/data/job_trace.json
+    trace = StepTrace.load(DATA / "job_trace.json")
+    for mib in GOLDEN_BUDGETS_MIB:
+        policies = generate_policies(trace, golden_settings(mib)).policies
+        (DATA / f"job_policies_{mib}mib.json").write_text(json.dumps([json.loads(p.to_json()) for p in policies], indent=1))
+        print(policies[0].summary())
