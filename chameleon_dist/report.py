@@ -37,9 +37,15 @@ class IterationReport:
     sequence_length_change: float  # relative, among ops inside autograd
     saved_bytes_change: float  # relative change of the bytes saved for backward
     stage_transition: str | None
-    passive_swaps: int
+    passive_swaps: int  # kept tensors swapped out synchronously because the device ran out of memory
     oom_retries: int
     emulated: bool
+    pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs (their time is stall)
+    policy: str = ""  # the policy applied ("" = swap every eligible tensor: WarmUp or no policy)
+    matched_exact: int = 0
+    matched_fuzzy: int = 0
+    unmatched: int = 0  # saved storages a policy could not place confidently (kept on the device)
+    on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

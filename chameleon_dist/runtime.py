@@ -25,7 +25,11 @@ from chameleon_dist.config import ChameleonConfig, load_config
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.executor.swap import SwapCounters, SwapExecutor
+from chameleon_dist.executor.trials import PolicyTrials
+from chameleon_dist.policy.generator import PolicySettings
+from chameleon_dist.policy.model import Policy
 from chameleon_dist.profiler.online import IterationProfile, OnlineProfiler
+from chameleon_dist.profiler.stages import GEN_POLICY, STABLE, WARMUP
 from chameleon_dist.report import IterationReport
 from chameleon_dist.units import format_bytes
 
@@ -35,6 +39,9 @@ T = TypeVar("T")
 
 TIGHTEN_FACTOR = 16
 """After an out-of-memory error, ``min_swap_bytes`` is divided by this (and goes to 0 below 1 KiB)."""
+
+UNKNOWN_LINK_BYTES_PER_S = 25e9
+"""Link bandwidth the policy generator assumes when neither the device nor the config gives one."""
 
 
 class Chameleon:
@@ -70,6 +77,10 @@ class Chameleon:
         )
         self._observation = None
         self.executor.quiet = self.profiler.scope.quiet
+        self.trials = PolicyTrials()
+        self._need_policies = False
+        self._pressure_waits = 0
+        self.applied_policy: Policy | None = None
         self.device.set_pressure_handler(self._on_memory_pressure if self.config.enabled else None)
         logger.info(
             "chameleon %s on %s (memory budget %s, min_swap_bytes %s)",
@@ -108,12 +119,17 @@ class Chameleon:
         stall_start_s = self.device.stall_s()
         self.device.reset_peak()
         start_s = time.perf_counter()
+        self._pressure_waits = 0
         counters = SwapCounters()
+        stage = self.profiler.stage
+        self.applied_policy = self._policy_for(stage) if self.config.enabled else None
+        self.executor.use_policy(self.applied_policy)
         try:
             observing = self.profiler.observe(self._iteration + 1, self._models, self.executor.protected_keys)
             with self.device.active(), observing as observation:
                 self._observation = observation
                 self.executor.observer = observation.recorder
+                self.executor.op_clock = lambda ids=observation.ids: len(ids)
                 if self.config.enabled:
                     with self.executor.active() as counters:
                         yield
@@ -123,23 +139,86 @@ class Chameleon:
             self._in_iteration = False
             self._observation = None
             self.executor.observer = None
+            self.executor.op_clock = lambda: -1
         self._iteration += 1
+        iteration_s = time.perf_counter() - start_s
+        if stage == GEN_POLICY and self.applied_policy is not None:
+            # held: no passive swap, no retry, and within the budget, or no higher than the policy predicted
+            # when a peak no swap can lower (the optimizer step, say) is above it
+            peak = self.device.peak_bytes()
+            within = peak <= max(self.memory_budget_bytes, self.applied_policy.predicted_peak_bytes)
+            held = within and not self._passive_swaps and not self._oom_retries
+            self.trials.record(self.applied_policy, iteration_s, self.device.peak_bytes(), held)
         profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps)
-        self.last_report = self._report(counters, profile, time.perf_counter() - start_s, stall_start_s)
+        self._follow(profile, stage)
+        self.last_report = self._report(counters, profile, iteration_s, stall_start_s)
         logger.debug("%s", self.last_report)
+
+    # ---- policies ---------------------------------------------------------------------------
+    def _policy_for(self, stage: str) -> Policy | None:
+        """WarmUp swaps every eligible tensor (passive swap is its safety net); GenPolicy tries the
+        generated policies in turn; Stable applies the chosen one."""
+        if stage == GEN_POLICY:
+            if self._need_policies or not self.trials.candidates:
+                self._need_policies = False
+                trace = self.profiler.last_trace
+                if trace is None:
+                    return None
+                self.trials.generate(trace, self._policy_settings())
+            return self.trials.trial_policy()
+        if stage == STABLE:
+            return self.trials.current
+        return None
+
+    def _policy_settings(self) -> PolicySettings:
+        link = {}
+        for direction in ("d2h", "h2d"):
+            rate = getattr(getattr(self.device, direction, None), "bytes_per_s", None)
+            rate = rate or getattr(self.config.device, f"{direction}_bytes_per_s", None)
+            link[f"{direction}_bytes_per_s"] = float(rate or UNKNOWN_LINK_BYTES_PER_S)
+        return PolicySettings(
+            budget_bytes=self.memory_budget_bytes,
+            min_swap_bytes=self.executor.min_swap_bytes,
+            host_budget_bytes=self.device.host_pool.budget_bytes,
+            trials=self.config.profiler.policy_trials,
+            allow_recompute=False,  # the executor has no recompute path: recompute decisions would be swaps
+            **link,
+        )
+
+    def _follow(self, profile: IterationProfile, stage: str) -> None:
+        transition = profile.transition
+        if transition is None:
+            return
+        if transition.after == GEN_POLICY:
+            self._need_policies = True
+        elif transition.after == STABLE:
+            self.trials.choose()
+        elif transition.after == WARMUP and self._passive_swaps and stage != WARMUP:
+            self.trials.tighten()
 
     def run_iteration(self, closure: Callable[[], T], optimizer: torch.optim.Optimizer | None = None) -> T:
         """Run ``closure`` (forward and backward of every micro-batch) inside ``iteration()``, then
         ``optimizer.step()`` when given. On an out-of-memory error in the closure, gradients are cleared,
-        swapping is tightened and the closure runs again (up to ``executor.max_oom_retries`` times), so
+        the CPU random state is restored (the retry draws the same dropout masks), swapping is tightened and the closure runs again (up to ``executor.max_oom_retries`` times), so
         the step is never lost and the optimizer never sees a half-accumulated gradient. Keep the
         optimizer step out of the closure: a step that already changed parameters cannot be re-run."""
         with self.iteration():
+            rng_state = torch.random.get_rng_state()  # a retry replays the same dropout masks
             for attempt in range(self.config.executor.max_oom_retries + 1):
+                if attempt:
+                    torch.random.set_rng_state(rng_state)
                 try:
                     result = closure()
                 except torch.OutOfMemoryError as exc:
-                    if not self.config.enabled or attempt == self.config.executor.max_oom_retries:
+                    if not self.config.enabled:
+                        raise
+                    if attempt == self.config.executor.max_oom_retries:
+                        if self.executor.matcher is None and self.executor.min_swap_bytes == 0:
+                            raise torch.OutOfMemoryError(
+                                f"{exc}\nChameleon already swaps every saved activation and the step still does "
+                                f"not fit after {attempt} retries: raise device.capacity / memory_budget, lower "
+                                "the micro-batch size, or add recomputation."
+                            ) from exc
                         raise
                     reason = str(exc)
                 else:
@@ -175,11 +254,15 @@ class Chameleon:
         for model in self._models:
             model.zero_grad(set_to_none=True)
         gc.collect()  # the failed attempt's graph and its swapped entries go now
-        if self.executor.min_swap_bytes == 0:
-            raise torch.OutOfMemoryError(
-                f"{reason}\nChameleon already swaps every saved activation and the step still does not fit: "
-                "raise device.capacity / memory_budget, lower the micro-batch size, or add recomputation."
-            )
+        if self.executor.matcher is not None:  # the policy did not hold: the retry swaps every eligible tensor
+            self.executor.use_policy(None)
+            self.trials.tighten()
+            logger.warning("out of memory under policy %s (%s); retrying the iteration swapping every eligible "
+                           "tensor", self.applied_policy.name if self.applied_policy else "?", reason.splitlines()[0])
+            return
+        if self.executor.min_swap_bytes == 0:  # a transient shortage (another tenant, fragmentation) may pass
+            logger.warning("out of memory (%s) with every saved activation swapped; retrying", reason.splitlines()[0])
+            return
         self.executor.min_swap_bytes //= TIGHTEN_FACTOR
         if self.executor.min_swap_bytes < 1024:
             self.executor.min_swap_bytes = 0
@@ -190,9 +273,12 @@ class Chameleon:
         )
 
     def _on_memory_pressure(self, short_bytes: int) -> int:
+        before = self.executor.counters.passive_swaps
         freed_bytes = self.executor.relieve_pressure(short_bytes)
-        if freed_bytes > 0:
-            self._passive_swaps += 1
+        if self.executor.counters.passive_swaps > before:
+            self._passive_swaps += self.executor.counters.passive_swaps - before
+        elif freed_bytes > 0:
+            self._pressure_waits += 1
         return freed_bytes
 
     def _report(self, counters: SwapCounters, profile: IterationProfile, iteration_s: float, stall_start_s: float) -> IterationReport:
@@ -211,7 +297,7 @@ class Chameleon:
             host_pool_bytes=self.device.host_pool.reserved_bytes,
             stall_s=self.device.stall_s() - stall_start_s,
             iteration_s=iteration_s,
-            policy_version=0,
+            policy_version=self.trials.version if self.applied_policy is self.trials.current else 0,
             num_ops=profile.signature.num_ops,
             sequence_changed=profile.comparison.changed,
             sequence_change_major=profile.comparison.major,
@@ -222,4 +308,10 @@ class Chameleon:
             passive_swaps=self._passive_swaps,
             oom_retries=self._oom_retries,
             emulated=self.device.emulated,
+            pressure_waits=self._pressure_waits,
+            policy="" if self.applied_policy is None else self.applied_policy.name,
+            matched_exact=counters.matches.exact,
+            matched_fuzzy=counters.matches.fuzzy,
+            unmatched=counters.matches.unmatched,
+            on_demand_fetches=counters.on_demand,
         )

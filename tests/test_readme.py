@@ -29,4 +29,6 @@ def test_plain_pytorch_example_runs_and_swaps(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3
     swapped = [float(re.search(r"swapped out ([\d.]+) MiB", line).group(1)) for line in lines]
-    assert all(mib > 0 for mib in swapped), lines
+    assert swapped[0] > 0, lines  # WarmUp swaps every eligible activation; later a policy swaps what the budget needs
+    peaks = [float(re.search(r"peak ([\d.]+) MiB", line).group(1)) for line in lines]
+    assert max(peaks) <= 64, lines

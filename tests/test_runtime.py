@@ -142,9 +142,9 @@ def test_two_runtimes_live_in_one_process():
     assert a.device.live_bytes() == b.device.live_bytes()
 
 
-def test_a_passive_swap_is_counted_and_sends_the_runtime_back_to_warmup():
+def test_waiting_for_in_flight_swap_outs_averts_out_of_memory_and_is_not_a_passive_swap():
     """Over a slow link, swap-outs are still in flight when memory runs short: the pressure handler
-    waits for them (their blocks are released) instead of failing, and the stage machine restarts."""
+    waits for them (their blocks are released) instead of failing; nothing was swapped synchronously."""
     model = make_lm(0, **MODEL)
     device = EmulatedDevice(int(_peak(0) * 1.1), h2d_bytes_per_s=50e6, d2h_bytes_per_s=50e6)
     chameleon = Chameleon(
@@ -155,9 +155,9 @@ def test_a_passive_swap_is_counted_and_sends_the_runtime_back_to_warmup():
     _closure(reference, 2)()
     _step(chameleon, model)
     report = chameleon.last_report
-    assert report.passive_swaps > 0 and report.oom_retries == 0
+    assert report.pressure_waits > 0 and report.passive_swaps == 0 and report.oom_retries == 0
     assert report.peak_device_bytes <= device.capacity_bytes
-    assert report.stage_transition.startswith("warmup -> warmup") and "passive swap" in report.stage_transition
-    assert chameleon.stage == "warmup"
+    assert report.stall_s > 0
+    assert chameleon.stage == "gen_policy"
     for p, q in zip(reference.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)

@@ -87,10 +87,10 @@ def test_stage_machine_follows_algorithm_1():
     assert stages == [WARMUP, WARMUP, GEN_POLICY, GEN_POLICY, GEN_POLICY, STABLE, STABLE]
     transition = machine.advance(major_change=True, passive_swaps=0, change_reason="length changed")
     assert (transition.before, transition.after) == (STABLE, WARMUP) and "length changed" in transition.reason
-    machine.advance(False, 0)
-    transition = machine.advance(False, 1)  # a passive swap in WarmUp restarts it
-    assert transition.after == WARMUP and "passive swap" in transition.reason
-    assert machine.advance(False, 0) is None and machine.advance(False, 0).after == GEN_POLICY
+    assert machine.advance(False, 1) is None  # a passive swap in WarmUp is its safety net: no restart
+    assert machine.advance(False, 0).after == GEN_POLICY
+    transition = machine.advance(False, 2)  # a passive swap under a policy goes back to WarmUp
+    assert (transition.before, transition.after) == (GEN_POLICY, WARMUP) and "passive swap" in transition.reason
 
 
 def test_zero_warmup_goes_straight_to_gen_policy():

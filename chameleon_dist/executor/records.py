@@ -20,7 +20,8 @@ class SwapEntry:
     """One storage swapped out. Host buffer and restored device bytes live as long as the entry."""
 
     __slots__ = (
-        "nbytes", "version", "position", "trace_index", "to_host", "to_device", "device_bytes", "_device", "__weakref__"
+        "nbytes", "version", "position", "trace_index", "to_host", "to_device", "device_bytes", "_device", "planned",
+        "__weakref__",
     )
 
     def __init__(self, device: "Device", to_host: "CopyHandle", version: int, position: int) -> None:
@@ -28,6 +29,7 @@ class SwapEntry:
         self.version = version
         self.position = position  # index in the iteration's swap-out order
         self.trace_index = -1  # index of its SwappedTensor in a detailed trace, when one is recorded
+        self.planned = False  # a policy scheduled its swap-in
         self.to_host: CopyHandle | None = to_host
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None
@@ -93,11 +95,23 @@ class KeptTensor:
     forward pass without backward) would never be freed. The alias shares the version counter, which
     restores autograd's in-place check."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "nbytes", "swapped", "root", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor.detach()
         self.version = tensor._version
+        # the tensor that owns the version counter, should a passive swap drop the alias
+        self.root = weakref.ref(tensor._base if tensor._base is not None else tensor)
+        self.nbytes = tensor.untyped_storage().nbytes()
+        self.swapped: SwappedTensor | None = None  # set when a passive swap took it off the device
+
+    def swap_out(self, swapped: "SwappedTensor") -> None:
+        """A passive swap moved it to the host: drop the device alias (the entry holds the copy). The
+        in-place check follows the original tensor's version counter, as of the save."""
+        swapped.version = self.version
+        swapped.base = self.root
+        self.swapped = swapped
+        self.tensor = None
 
     def unpack(self) -> torch.Tensor:
         if self.tensor._version != self.version:

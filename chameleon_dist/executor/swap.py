@@ -7,12 +7,19 @@ Never swapped: parameters and views of parameters, tensors that are not plain de
 anything packed while a backward pass runs (recompute inside backward). Values are copied byte for byte
 and views are rebuilt with their exact strides, so training stays bit-identical. A later issue replaces
 the "swap everything" rule by policy-driven decisions; the mechanics here stay.
+
+With a policy (``use_policy``), only the saved storages the policy matches leave the device (see
+``matching``); each comes back when the iteration's op count reaches its planned swap-in trigger (checked
+whenever autograd unpacks a saved tensor), shifted by how far the sequence had moved at its save; one
+needed before its prefetch started is fetched on demand and counted. Under memory pressure the executor
+first lets in-flight swap-outs land, then swaps out idle kept tensors synchronously (passive swap).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import heapq
 import logging
 import weakref
 from typing import Callable, ContextManager, Iterator, Protocol
@@ -22,7 +29,9 @@ from torch import nn
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
+from chameleon_dist.executor.matching import MatchCounts, PolicyMatcher
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor
+from chameleon_dist.policy.model import Policy
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -38,6 +47,10 @@ class SwapCounters:
     kept_for_host_budget_bytes: int = 0
     prefetched: int = 0
     saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
+    on_demand: int = 0  # swap-ins started only when backward needed the tensor
+    passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure
+    passive_swaps: int = 0
+    matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
 
 
 class SwapObserver(Protocol):
@@ -74,6 +87,12 @@ class SwapExecutor:
         self._host_budget_warned = False
         self._swapped_since_release = False
         self.observer: SwapObserver | None = None
+        self.matcher: PolicyMatcher | None = None
+        self.op_clock: Callable[[], int] = lambda: -1  # ops seen so far in the iteration (-1: unknown)
+        self._ordinals: dict[int, tuple[int, weakref.ReferenceType]] = {}
+        self._next_ordinal = 0
+        self._triggers: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []
+        self._kept: list[weakref.ReferenceType[KeptTensor]] = []
         self.quiet: Callable[[], ContextManager[None]] = contextlib.nullcontext  # hides own ops from profilers
 
     # ---- setup ------------------------------------------------------------------------------
@@ -93,21 +112,34 @@ class SwapExecutor:
                 keys.add(storage_key(tensor.untyped_storage()))
         self._protected_keys = keys
 
+    def use_policy(self, policy: Policy | None) -> None:
+        """Swap what ``policy`` says from the next iteration on (None: swap every eligible tensor)."""
+        self.matcher = PolicyMatcher(policy) if policy is not None else None
+
     @contextlib.contextmanager
     def active(self) -> Iterator[SwapCounters]:
         """Swap during the block; yields this iteration's counters."""
         self.counters = SwapCounters()
+        if self.matcher is not None:
+            self.matcher.reset()
+            self.counters.matches = self.matcher.counts
         self._refresh_protected()
         self._swapped_since_release = False
-        self._by_storage.clear()
-        self._order.clear()
+        self._clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self.counters
             self.device.release_pending()
         finally:
-            self._by_storage.clear()
-            self._order.clear()
+            self._clear()
+
+    def _clear(self) -> None:
+        self._by_storage.clear()
+        self._order.clear()
+        self._ordinals.clear()
+        self._next_ordinal = 0
+        self._triggers.clear()
+        self._kept.clear()
 
     # ---- hooks ------------------------------------------------------------------------------
     def _eligible(self, tensor: torch.Tensor) -> bool:
@@ -134,8 +166,38 @@ class SwapExecutor:
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
         if self.observer is not None:
             self.observer.on_saved(tensor)
-        entry = self._entry_for(tensor) if self._eligible(tensor) else None
-        return KeptTensor(tensor) if entry is None else SwappedTensor(entry, tensor)
+        ordinal = self._ordinal_of(tensor.untyped_storage())
+        entry = None
+        if self._eligible(tensor):
+            if self.matcher is None:
+                entry = self._entry_for(tensor)
+            else:
+                op_count = self.op_clock()
+                planned = self.matcher.match(ordinal, tensor, op_count)
+                if planned is not None:
+                    entry = self._entry_for(tensor)
+                    if entry is not None and not entry.planned:  # schedule its prefetch (shifted like the save)
+                        shift = op_count - planned.save_op_index if op_count >= 0 else 0
+                        trigger = planned.swap_in_at + shift
+                        heapq.heappush(self._triggers, (trigger, entry.position, weakref.ref(entry)))
+                        entry.planned = True
+        if entry is not None:
+            return SwappedTensor(entry, tensor)
+        kept = KeptTensor(tensor)
+        if self.matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and self._eligible(tensor):
+            self._kept.append(weakref.ref(kept))  # a passive swap may take it later
+        return kept
+
+    def _ordinal_of(self, storage: torch.UntypedStorage) -> int:
+        """Save ordinal of a storage in this iteration (addresses of dead storages get reused: checked)."""
+        key = storage_key(storage)
+        known = self._ordinals.get(key)
+        if known is not None and known[1]() is storage:
+            return known[0]
+        ordinal = self._next_ordinal
+        self._next_ordinal += 1
+        self._ordinals[key] = (ordinal, weakref.ref(storage))
+        return ordinal
 
     def _entry_for(self, tensor: torch.Tensor) -> SwapEntry | None:
         storage = tensor.untyped_storage()
@@ -170,8 +232,12 @@ class SwapExecutor:
             return self._unpack_quietly(packed)
 
     def _unpack_quietly(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
+        if self._triggers:
+            self._fire_triggers(self.op_clock())
         if isinstance(packed, KeptTensor):
-            return packed.unpack()
+            if packed.swapped is None:
+                return packed.unpack()
+            packed = packed.swapped  # taken by a passive swap
         if not isinstance(packed, SwappedTensor):
             return packed
         packed.check_version()
@@ -182,9 +248,12 @@ class SwapExecutor:
             self.device.release_pending()
         entry = packed.entry
         if not entry.restored:
+            if not entry.in_flight and entry.planned:
+                self.counters.on_demand += 1
             self._swap_in(entry)
             entry.finish_swap_in()
-            self._prefetch_before(entry)
+            if not entry.planned:
+                self._prefetch_before(entry)
         tensor = packed.rebuild(entry.device_bytes)
         if self.observer is not None and entry.trace_index >= 0:
             self.observer.on_restored(entry.trace_index, tensor)
@@ -196,6 +265,21 @@ class SwapExecutor:
             self.counters.swap_in_bytes += entry.nbytes
             if self.observer is not None:
                 self.observer.on_swap_in(entry.trace_index, at_op)
+
+    def _fire_triggers(self, op_count: int) -> None:
+        """Start the planned swap-ins whose trigger op has been reached."""
+        triggers = self._triggers
+        while triggers and (op_count < 0 or triggers[0][0] <= op_count):
+            _, _, ref = heapq.heappop(triggers)
+            entry = ref()
+            if entry is None or entry.restored or entry.in_flight:
+                continue
+            try:
+                self._swap_in(entry)
+            except torch.OutOfMemoryError:
+                logger.debug("planned prefetch skipped: no device memory for %s", format_bytes(entry.nbytes))
+                return
+            self.counters.prefetched += 1
 
     def _prefetch_before(self, entry: SwapEntry) -> None:
         """Keep the next ``prefetch_depth`` storages backward will likely need (saved earlier) coming in."""
@@ -218,10 +302,34 @@ class SwapExecutor:
 
     # ---- memory pressure --------------------------------------------------------------------
     def relieve_pressure(self, short_bytes: int) -> int:
-        """Before an out-of-memory error: let pending swap-outs complete so their blocks are released."""
+        """Before an out-of-memory error: let pending swap-outs complete so their blocks are released; if
+        that is not enough, swap out idle kept tensors synchronously, best fit first (passive swap)."""
         before = self.device.live_bytes()
         self.device.release_pending()
         self.device.synchronize()
         freed = max(before - self.device.live_bytes(), 0)
+        if freed < short_bytes and self._kept:
+            freed += self._passive_swap(short_bytes - freed)
         logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
+        return freed
+
+    def _passive_swap(self, short_bytes: int) -> int:
+        kept = [k for k in (ref() for ref in self._kept) if k is not None and k.swapped is None and k.tensor is not None]
+        # best fit: the smallest that covers the shortfall, then the largest ones
+        kept.sort(key=lambda k: (k.nbytes < short_bytes, k.nbytes if k.nbytes >= short_bytes else -k.nbytes))
+        freed = 0
+        for k in kept:
+            if freed >= short_bytes:
+                break
+            before = self.device.live_bytes()
+            entry = self._entry_for(k.tensor)
+            if entry is None:
+                break  # host budget full
+            entry.planned = False  # comes back on demand / with the fallback prefetch
+            k.swap_out(SwappedTensor(entry, k.tensor))
+            self.device.wait(entry.to_host)
+            self.device.release_pending()
+            self.counters.passive_swaps += 1
+            self.counters.passive_swap_bytes += entry.nbytes
+            freed += max(before - self.device.live_bytes(), 0)
         return freed

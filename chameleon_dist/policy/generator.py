@@ -25,7 +25,7 @@ import numpy as np
 
 from chameleon_dist.policy.candidates import Candidate, find_candidates, reduction_list, score_candidates
 from chameleon_dist.policy.layers import LayerGroup, calibrated_group_times_s, logical_layers, op_times_s as spread
-from chameleon_dist.policy.model import LayerLoad, Policy, PolicyEntry
+from chameleon_dist.policy.model import LayerLoad, Policy, PolicyEntry, save_key
 from chameleon_dist.policy.simulator import RECOMPUTE, SWAP, Planned, SimResult, simulate
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
@@ -242,9 +242,13 @@ def _place(ctx: _Context, chosen: list[Candidate], allow_recompute: bool) -> lis
 
 def _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planned, sim: SimResult, host_kept) -> Policy:
     trace, s = ctx.trace, ctx.settings
-    ordinal = {}
+    ordinal: dict[int, int] = {}
+    keys: list[str] = []
     for tensor_id, _ in trace.saves or [(t.tensor_id, -1) for t in trace.tensors if t.saved]:
-        ordinal.setdefault(trace.tensors[tensor_id].storage_id, len(ordinal))
+        record = trace.tensors[tensor_id]
+        if record.storage_id not in ordinal:
+            ordinal[record.storage_id] = len(ordinal)
+            keys.append(save_key(record.dtype, record.shape))
     per_layer_count: dict[tuple[int, int], int] = {}
     layer_ordinal: dict[int, int] = {}
     for storage_id in ordinal:  # ordinals among the saves of one (micro-batch, layer), in save order
@@ -286,6 +290,13 @@ def _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planne
             f"({trace.op_names[op.name_id]}, {op.phase}), where no swappable saved activation is waiting for "
             "backward: swapping cannot lower this peak; raise memory_budget or shrink the model state/micro-batch"
         )
+    elif not feasible and sum(p.nbytes for p in planned if p.decision == SWAP) < sum(c.nbytes for c in ctx.candidates) // 2:
+        reason = (
+            f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)} at op {sim.peak_op}: the host link "
+            f"({s.d2h_bytes_per_s / 1e9:.1f} GB/s out, {s.h2d_bytes_per_s / 1e9:.1f} GB/s in) cannot move enough "
+            "activations off the device before the peak; raise memory_budget, shrink the micro-batch or add "
+            "recomputation"
+        )
     elif not feasible:
         reason = (
             f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)} at op {sim.peak_op} "
@@ -303,5 +314,5 @@ def _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planne
         settings={"score_c": size_weight, "target_fraction": fraction * s.budget_fraction,
                   "allow_recompute": allow_recompute, "min_swap_bytes": s.min_swap_bytes,
                   "d2h_bytes_per_s": s.d2h_bytes_per_s, "h2d_bytes_per_s": s.h2d_bytes_per_s},
-        host_kept_bytes=host_kept, reason=reason, emulated=trace.emulated,
+        save_keys=keys, host_kept_bytes=host_kept, reason=reason, emulated=trace.emulated,
     )

@@ -134,21 +134,35 @@ def eq1_group_times_s(trace: StepTrace, groups: list[LayerGroup]) -> list[float]
 
 
 def calibrated_group_times_s(trace: StepTrace, groups: list[LayerGroup]) -> list[float]:
-    """Eq. 1 calibrated with the trace's measured forward layer times (Eq. 1 alone when there are none)."""
-    eq1 = eq1_group_times_s(trace, groups)
+    """Eq. 1 calibrated with the trace's measured forward layer times (Eq. 1 alone when there are none).
+
+    Per op: a forward op of a measured transformer layer (``OpRecord.layer``) gets its layer's measured
+    time divided by the layer's forward ops; the backward ops of a logical layer are scaled by the same
+    measured / Eq. 1 factor; everything else keeps Eq. 1 and is rescaled so the total stays ``T_iter``."""
     if not trace.layer_times_s:
-        return eq1
-    fwd_eq1: dict[int, float] = {}
-    for g, t in zip(groups, eq1):
-        if g.phase == FORWARD and g.layer in trace.layer_times_s:
-            fwd_eq1[g.layer] = fwd_eq1.get(g.layer, 0.0) + t
-    factor = {layer: trace.layer_times_s[layer] / t for layer, t in fwd_eq1.items() if t > 0}
-    times = [t * factor.get(g.layer, 1.0) if g.phase in (FORWARD, BACKWARD) else t for g, t in zip(groups, eq1)]
-    fixed = sum(t for g, t in zip(groups, times) if g.phase == FORWARD and g.layer in factor)
-    rest = sum(t for g, t in zip(groups, times) if not (g.phase == FORWARD and g.layer in factor))
-    budget = max(0.0, trace.iteration_s - fixed)
-    scale = budget / rest if rest > 0 else 1.0
-    return [t if (g.phase == FORWARD and g.layer in factor) else t * scale for g, t in zip(groups, times)]
+        return eq1_group_times_s(trace, groups)
+    ops = trace.ops
+    per_op_s = trace.iteration_s / max(1, len(ops))
+    counts: dict[int, int] = {}
+    for op in ops:
+        if op.phase == FORWARD and op.layer in trace.layer_times_s:
+            counts[op.layer] = counts.get(op.layer, 0) + 1
+    factor = {layer: trace.layer_times_s[layer] / (per_op_s * n) for layer, n in counts.items() if per_op_s > 0}
+    fixed = [False] * len(ops)
+    times = [per_op_s] * len(ops)
+    for g in groups:
+        for i in range(g.start, g.end):
+            op = ops[i]
+            if op.phase == FORWARD and op.layer in factor:
+                times[i] = trace.layer_times_s[op.layer] / counts[op.layer]
+                fixed[i] = True
+            elif g.phase == BACKWARD and g.layer in factor:
+                times[i] = per_op_s * factor[g.layer]
+    fixed_s = sum(t for t, f in zip(times, fixed) if f)
+    rest_s = sum(t for t, f in zip(times, fixed) if not f)
+    scale = max(0.0, trace.iteration_s - fixed_s) / rest_s if rest_s > 0 else 1.0
+    times = [t if f else t * scale for t, f in zip(times, fixed)]
+    return [sum(times[g.start:g.end]) for g in groups]
 
 
 def op_times_s(groups: list[LayerGroup], group_times_s: list[float]) -> list[float]:
@@ -173,10 +187,11 @@ def eq1_error(trace: StepTrace, groups: list[LayerGroup]) -> Eq1Error | None:
     """Eq. 1 against the trace's measured forward layer times (None when it has none)."""
     if not trace.layer_times_s:
         return None
+    per_op_s = trace.iteration_s / max(1, len(trace.ops))
     eq1: dict[int, float] = {}
-    for g, t in zip(groups, eq1_group_times_s(trace, groups)):
-        if g.phase == FORWARD and g.layer in trace.layer_times_s:
-            eq1[g.layer] = eq1.get(g.layer, 0.0) + t
+    for op in trace.ops:  # a layer's own forward ops (module-labelled), as the measurement covers
+        if op.phase == FORWARD and op.layer in trace.layer_times_s:
+            eq1[op.layer] = eq1.get(op.layer, 0.0) + per_op_s
     measured = [trace.layer_times_s[layer] for layer in sorted(eq1)]
     if not measured:
         return None

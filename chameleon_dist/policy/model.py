@@ -18,6 +18,10 @@ from chameleon_dist.units import format_bytes
 POLICY_SCHEMA_VERSION = 1
 
 
+def save_key(dtype: str, shape) -> str:
+    return f"{dtype}{list(shape)}"
+
+
 @dataclasses.dataclass(slots=True)
 class PolicyEntry:
     decision: str  # "swap" or "recompute"
@@ -73,6 +77,9 @@ class Policy:
     num_ops: int
     trace_iteration: int
     settings: dict[str, Any]
+    # "dtype[shape]" of every storage saved in the traced iteration, by save ordinal (KEEPs included), so the
+    # executor can tell an aligned sequence from a shifted one
+    save_keys: list[str] = dataclasses.field(default_factory=list)
     host_kept_bytes: int = 0  # candidates left on the device because of host_budget_bytes
     reason: str = ""
     emulated: bool = True

@@ -3,6 +3,7 @@
 - WarmUp (``warmup_iterations``): detailed profiling; out-of-memory is absorbed by passive swap.
 - GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration.
 - Stable: only the cheap signature. A major sequence change or a passive swap returns to WarmUp.
+A passive swap during WarmUp does not restart it: WarmUp runs with passive swap as its safety net.
 A major change during GenPolicy restarts WarmUp (the trace no longer describes the job). During WarmUp
 it does not: every WarmUp iteration renews the trace and the reference anyway, and the first iteration
 of a job (lazy initialisation: optimizer state, framework buffers) routinely differs from the second.
@@ -37,7 +38,7 @@ class StageMachine:
     def advance(self, major_change: bool, passive_swaps: int, change_reason: str = "") -> Transition | None:
         """Account one finished iteration; returns the transition it caused, if any."""
         before = self.stage
-        if passive_swaps:
+        if passive_swaps and self.stage != WARMUP:
             return self._go(WARMUP, f"{passive_swaps} passive swap(s): the device ran out of memory", before)
         if major_change and self.stage != WARMUP:
             return self._go(WARMUP, f"operator sequence changed: {change_reason}", before)

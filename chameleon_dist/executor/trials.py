@@ -1,0 +1,81 @@
+"""GenPolicy bookkeeping: generate candidate policies from the latest trace, try one per iteration, keep
+the fastest that held the memory budget (the paper generates n=5 and keeps the best)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from chameleon_dist.policy.generator import PolicySettings, generate_policies
+from chameleon_dist.policy.model import Policy
+from chameleon_dist.trace.step_trace import StepTrace
+from chameleon_dist.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+STRICTER_FACTOR = 0.9
+"""After a passive swap under a policy, the next policies aim at this fraction of the previous target."""
+
+
+@dataclasses.dataclass
+class TrialResult:
+    policy: Policy
+    iteration_s: float
+    peak_bytes: int
+    held: bool  # within the budget, no passive swap, no out-of-memory retry
+
+
+class PolicyTrials:
+    def __init__(self) -> None:
+        self.candidates: list[Policy] = []
+        self.results: list[TrialResult] = []
+        self.current: Policy | None = None  # the policy Stable applies
+        self.version = 0
+        self.budget_fraction = 1.0
+        self.generation_s = 0.0
+
+    def generate(self, trace: StepTrace, settings: PolicySettings) -> list[Policy]:
+        settings = dataclasses.replace(settings, budget_fraction=self.budget_fraction)
+        start = time.perf_counter()
+        result = generate_policies(trace, settings)
+        self.generation_s = time.perf_counter() - start
+        self.candidates = result.policies
+        self.results = []
+        best = result.best
+        logger.info(
+            "generated %d policies from iteration %d in %.3f s; best: %s",
+            len(self.candidates), trace.iteration, self.generation_s, best.summary().splitlines()[0] if best else "none",
+        )
+        return self.candidates
+
+    def trial_policy(self) -> Policy | None:
+        if not self.candidates:
+            return None
+        return self.candidates[len(self.results) % len(self.candidates)]
+
+    def record(self, policy: Policy, iteration_s: float, peak_bytes: int, held: bool) -> None:
+        self.results.append(TrialResult(policy, iteration_s, peak_bytes, held))
+
+    def choose(self) -> Policy | None:
+        """The fastest policy that held (per policy: its best trial); None when none did."""
+        held = [r for r in self.results if r.held]
+        if not held:
+            logger.warning(
+                "none of %d policy trials held the memory budget; swapping every eligible tensor until the "
+                "next policy (lower memory_budget or min_swap_bytes if this repeats)", len(self.results),
+            )
+            self.current = None
+            return None
+        best = min(held, key=lambda r: r.iteration_s)
+        self.current = best.policy
+        self.version += 1
+        logger.info(
+            "policy %s chosen (v%d): %.1f ms/iteration, peak %s", best.policy.name, self.version,
+            best.iteration_s * 1e3, format_bytes(best.peak_bytes),
+        )
+        return self.current
+
+    def tighten(self) -> None:
+        self.budget_fraction *= STRICTER_FACTOR
+        logger.info("passive swap under a policy: the next policies aim at %.0f%% of the budget", self.budget_fraction * 100)
