@@ -148,7 +148,7 @@ class Chameleon:
             peak = self.device.peak_bytes()
             within = peak <= max(self.memory_budget_bytes, self.applied_policy.predicted_peak_bytes)
             held = within and not self._passive_swaps and not self._oom_retries
-            self.trials.record(self.applied_policy, iteration_s, self.device.peak_bytes(), held)
+            self.trials.record(self.applied_policy, iteration_s, peak, held, self.memory_budget_bytes)
         profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps)
         self._follow(profile, stage)
         self.last_report = self._report(counters, profile, iteration_s, stall_start_s)
@@ -159,7 +159,9 @@ class Chameleon:
         """WarmUp swaps every eligible tensor (passive swap is its safety net); GenPolicy tries the
         generated policies in turn; Stable applies the chosen one."""
         if stage == GEN_POLICY:
-            if self._need_policies or not self.trials.candidates:
+            if self._need_policies or self.trials.regenerate or not self.trials.candidates:
+                if self._need_policies:
+                    self.trials.start()
                 self._need_policies = False
                 trace = self.profiler.last_trace
                 if trace is None:

@@ -166,11 +166,14 @@ class SwapExecutor:
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
         if self.observer is not None:
             self.observer.on_saved(tensor)
-        ordinal = self._ordinal_of(tensor.untyped_storage())
+        ordinal, seen = self._ordinal_of(tensor.untyped_storage())
         entry = None
         if self._eligible(tensor):
             if self.matcher is None:
                 entry = self._entry_for(tensor)
+            elif seen:  # another view of a storage already decided: swapped (shares its copy) or kept
+                if self._by_storage.get(storage_key(tensor.untyped_storage())) is not None:
+                    entry = self._entry_for(tensor)
             else:
                 op_count = self.op_clock()
                 planned = self.matcher.match(ordinal, tensor, op_count)
@@ -188,16 +191,17 @@ class SwapExecutor:
             self._kept.append(weakref.ref(kept))  # a passive swap may take it later
         return kept
 
-    def _ordinal_of(self, storage: torch.UntypedStorage) -> int:
-        """Save ordinal of a storage in this iteration (addresses of dead storages get reused: checked)."""
+    def _ordinal_of(self, storage: torch.UntypedStorage) -> tuple[int, bool]:
+        """Save ordinal of a storage in this iteration, and whether it was saved before (addresses of dead
+        storages get reused: checked)."""
         key = storage_key(storage)
         known = self._ordinals.get(key)
         if known is not None and known[1]() is storage:
-            return known[0]
+            return known[0], True
         ordinal = self._next_ordinal
         self._next_ordinal += 1
         self._ordinals[key] = (ordinal, weakref.ref(storage))
-        return ordinal
+        return ordinal, False
 
     def _entry_for(self, tensor: torch.Tensor) -> SwapEntry | None:
         storage = tensor.untyped_storage()

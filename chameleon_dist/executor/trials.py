@@ -34,6 +34,7 @@ class PolicyTrials:
         self.version = 0
         self.budget_fraction = 1.0
         self.generation_s = 0.0
+        self.regenerate = False
 
     def generate(self, trace: StepTrace, settings: PolicySettings) -> list[Policy]:
         settings = dataclasses.replace(settings, budget_fraction=self.budget_fraction)
@@ -41,7 +42,7 @@ class PolicyTrials:
         result = generate_policies(trace, settings)
         self.generation_s = time.perf_counter() - start
         self.candidates = result.policies
-        self.results = []
+        self.regenerate = False
         best = result.best
         logger.info(
             "generated %d policies from iteration %d in %.3f s; best: %s",
@@ -49,13 +50,28 @@ class PolicyTrials:
         )
         return self.candidates
 
+    def start(self) -> None:
+        """A new GenPolicy stage: forget the previous trials."""
+        self.results = []
+
     def trial_policy(self) -> Policy | None:
+        """The next candidate not tried yet since the last generation (cycling when all were)."""
         if not self.candidates:
             return None
-        return self.candidates[len(self.results) % len(self.candidates)]
+        tried = {id(r.policy) for r in self.results}
+        fresh = [p for p in self.candidates if id(p) not in tried]
+        return fresh[0] if fresh else self.candidates[len(self.results) % len(self.candidates)]
 
-    def record(self, policy: Policy, iteration_s: float, peak_bytes: int, held: bool) -> None:
+    def record(self, policy: Policy, iteration_s: float, peak_bytes: int, held: bool, budget_bytes: int) -> None:
+        """One trial's outcome. A policy that went over the budget makes the next ones aim lower by as
+        much as it missed (the simulator's error is fed back); ``regenerate`` asks for new candidates."""
         self.results.append(TrialResult(policy, iteration_s, peak_bytes, held))
+        if peak_bytes > budget_bytes and peak_bytes > policy.predicted_peak_bytes:
+            miss = peak_bytes - max(policy.predicted_peak_bytes, 1)
+            self.budget_fraction = max(0.05, self.budget_fraction - miss / budget_bytes)
+            self.regenerate = True
+            logger.info("policy %s peaked %s above its prediction: next policies aim at %.0f%% of the budget",
+                        policy.name, format_bytes(miss), self.budget_fraction * 100)
 
     def choose(self) -> Policy | None:
         """The fastest policy that held (per policy: its best trial); None when none did."""

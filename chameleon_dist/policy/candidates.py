@@ -39,7 +39,7 @@ class Candidate:
     storage_id: int
     nbytes: int
     created_at: int
-    last_forward_use: int  # op index
+    last_forward_use: int  # op index (or, when the profiled run showed it lived on, its death - 1)
     first_backward_use: int  # op index
     save_tensor_id: int  # the first tensor (view) of this storage that autograd saved
     save_op_index: int  # ops recorded when it was saved (the saving op is save_op_index - 1)
@@ -87,6 +87,10 @@ def find_candidates(trace: StepTrace, min_swap_bytes: int = 0) -> list[Candidate
             continue
         if 0 <= storage.freed_at <= first and storage_id not in swapped:
             continue  # (a storage swapped in the profiled run died at its release, not after its use)
+        if storage_id in swapped and storage.freed_at > last + 1:
+            # swapped in the profiled run, its device block died only at ``freed_at``: the program (a
+            # residual, a module attribute) held it after its last use. It cannot be released earlier.
+            last = min(storage.freed_at - 1, first - 1)
         found.append(
             Candidate(storage_id, storage.nbytes, storage.created_at, last, first, tensor_id,
                       save_op if save_op >= 0 else storage.created_at + 1)

@@ -92,7 +92,8 @@ class _Context:
 
 
 def generate_policies(trace: StepTrace, settings: PolicySettings, op_times_s: list[float] | None = None) -> PolicySet:
-    """Up to ``settings.trials`` distinct policies, feasible ones first, then by predicted time."""
+    """Up to ``settings.trials`` distinct policies (plus "all", every candidate, when one of them does not
+    fit), feasible ones first, then by predicted time."""
     groups, _ = logical_layers(trace, settings.ops_per_group)
     group_of = np.zeros(len(trace.ops), dtype=np.int64)
     for g in groups:
@@ -115,12 +116,15 @@ def generate_policies(trace: StepTrace, settings: PolicySettings, op_times_s: li
         ("coverage-first", c / 4, 1.0, recompute),
         ("size-first", c * 4, 1.0, recompute),
         ("swap-only-margin10" if recompute else "margin10", c, 0.90, False),
+        ("all", c, 0.0, False),  # every candidate, placed: the most a swap can do (the fallback)
     ]
     policies: list[Policy] = []
     seen: set[tuple] = set()
     for name, weight, fraction, allow in variants:
-        if len(policies) >= settings.trials:
-            break
+        if len(policies) >= settings.trials and name != "all":
+            continue
+        if name == "all" and policies and all(p.feasible for p in policies) and len(policies) >= settings.trials:
+            break  # the fallback is only added when some trial does not fit
         policy = _generate(ctx, name, weight, fraction, allow)
         key = tuple((e.save_ordinal, e.decision, e.swap_out_at, e.swap_in_at) for e in policy.entries)
         if key in seen:
@@ -134,6 +138,11 @@ def generate_policies(trace: StepTrace, settings: PolicySettings, op_times_s: li
 
 def _generate(ctx: _Context, name: str, size_weight: float, fraction: float, allow_recompute: bool) -> Policy:
     s = ctx.settings
+    if fraction == 0.0:
+        chosen = _within_host_budget(ctx.candidates, s.host_budget_bytes, len(ctx.base_curve))
+        planned = _place(ctx, chosen, allow_recompute)
+        sim = simulate(ctx.base_curve, ctx.op_times_s, planned, s.d2h_bytes_per_s, s.h2d_bytes_per_s)
+        return _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planned, sim, 0)
     target = int(s.budget_bytes * s.budget_fraction * fraction)
     base = np.asarray(ctx.base_curve, dtype=np.int64)
     excess = base - target
@@ -191,7 +200,43 @@ def _generate(ctx: _Context, name: str, size_weight: float, fraction: float, all
     if best is None:
         best = (0, [], [], simulate(ctx.base_curve, ctx.op_times_s, [], s.d2h_bytes_per_s, s.h2d_bytes_per_s))
     _, chosen, planned, sim = best
+    planned, sim = _delay_prefetches(ctx, planned, sim, target)
     return _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planned, sim, host_kept)
+
+
+def _delay_prefetches(ctx: _Context, planned: list[Planned], sim: SimResult, target: int) -> tuple[list[Planned], SimResult]:
+    """When the peak is above the target inside prefetch windows (tensors brought back early because no
+    layer close to their use had spare link time), start those swap-ins after the peak instead: a stall
+    is the price of fitting. Kept only while it lowers the peak."""
+    s = ctx.settings
+    for _ in range(MAX_ROUNDS):
+        if sim.peak_bytes <= target:
+            break
+        k = sim.peak_op
+        early = [i for i, (p, o) in enumerate(zip(planned, sim.outcomes))
+                 if p.decision == SWAP and o.released and 0 <= p.swap_in_at <= k < p.first_backward_use - 1]
+        if not early:
+            break
+        trial = [dataclasses.replace(p) for p in planned]
+        for i in early:
+            trial[i].swap_in_at = k + 1
+        trial_sim = simulate(ctx.base_curve, ctx.op_times_s, trial, s.d2h_bytes_per_s, s.h2d_bytes_per_s)
+        if trial_sim.peak_bytes >= sim.peak_bytes:
+            break
+        planned, sim = trial, trial_sim
+    return planned, sim
+
+
+def _within_host_budget(candidates: list[Candidate], host_budget_bytes: int | None, num_ops: int) -> list[Candidate]:
+    host = np.zeros(num_ops + 1, dtype=np.int64)
+    chosen = []
+    for cand in candidates:
+        lo, hi = cand.last_forward_use + 1, cand.first_backward_use
+        if host_budget_bytes is not None and host[lo:hi].max(initial=0) + cand.nbytes > host_budget_bytes:
+            continue
+        host[lo:hi] += cand.nbytes
+        chosen.append(cand)
+    return chosen
 
 
 def _place(ctx: _Context, chosen: list[Candidate], allow_recompute: bool) -> list[Planned]:
