@@ -43,6 +43,9 @@ TIGHTEN_FACTOR = 16
 UNKNOWN_LINK_BYTES_PER_S = 25e9
 """Link bandwidth the policy generator assumes when neither the device nor the config gives one."""
 
+INSTANT_LINK_BYTES_PER_S = 1e15
+"""What the policy generator is told for an emulated link without a bandwidth (copies are instant)."""
+
 
 class Chameleon:
     """One per rank. ``process_groups`` is kept for the distributed integrations (never created here)."""
@@ -149,7 +152,13 @@ class Chameleon:
             within = peak <= max(self.memory_budget_bytes, self.applied_policy.predicted_peak_bytes)
             held = within and not self._passive_swaps and not self._oom_retries
             self.trials.record(self.applied_policy, iteration_s, peak, held, self.memory_budget_bytes)
-        profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps)
+        over_budget = ""
+        if stage == STABLE and self.applied_policy is not None:
+            peak = self.device.peak_bytes()
+            if peak > max(self.memory_budget_bytes, self.applied_policy.predicted_peak_bytes):
+                over_budget = (f"peak {format_bytes(peak)} above memory_budget {format_bytes(self.memory_budget_bytes)} "
+                               f"under policy {self.applied_policy.name}")
+        profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps, over_budget)
         self._follow(profile, stage)
         self.last_report = self._report(counters, profile, iteration_s, stall_start_s)
         logger.debug("%s", self.last_report)
@@ -159,7 +168,7 @@ class Chameleon:
         """WarmUp swaps every eligible tensor (passive swap is its safety net); GenPolicy tries the
         generated policies in turn; Stable applies the chosen one."""
         if stage == GEN_POLICY:
-            if self._need_policies or self.trials.regenerate or not self.trials.candidates:
+            if self._need_policies or self.trials.regenerate:
                 if self._need_policies:
                     self.trials.start()
                 self._need_policies = False
@@ -175,9 +184,12 @@ class Chameleon:
     def _policy_settings(self) -> PolicySettings:
         link = {}
         for direction in ("d2h", "h2d"):
-            rate = getattr(getattr(self.device, direction, None), "bytes_per_s", None)
-            rate = rate or getattr(self.config.device, f"{direction}_bytes_per_s", None)
-            link[f"{direction}_bytes_per_s"] = float(rate or UNKNOWN_LINK_BYTES_PER_S)
+            emulated_link = getattr(self.device, direction, None)
+            if emulated_link is not None:  # the emulated device's link; None = instant copies
+                rate = emulated_link.bytes_per_s or INSTANT_LINK_BYTES_PER_S
+            else:
+                rate = getattr(self.config.device, f"{direction}_bytes_per_s", None) or UNKNOWN_LINK_BYTES_PER_S
+            link[f"{direction}_bytes_per_s"] = float(rate)
         return PolicySettings(
             budget_bytes=self.memory_budget_bytes,
             min_swap_bytes=self.executor.min_swap_bytes,
@@ -195,7 +207,7 @@ class Chameleon:
             self._need_policies = True
         elif transition.after == STABLE:
             self.trials.choose()
-        elif transition.after == WARMUP and self._passive_swaps and stage != WARMUP:
+        elif transition.after == WARMUP and (self._passive_swaps or "memory_budget" in transition.reason) and stage != WARMUP:
             self.trials.tighten()
 
     def run_iteration(self, closure: Callable[[], T], optimizer: torch.optim.Optimizer | None = None) -> T:

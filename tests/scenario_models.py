@@ -284,7 +284,8 @@ class Run:
         return [r.sequence_change_major for r in self.reports]
 
 
-def run(scenario: Scenario, iterations: int, chameleon: bool = True, config: dict | None = None, optimizer: str = "sgd") -> Run:
+def run(scenario: Scenario, iterations: int, chameleon: bool = True, config: dict | None = None, optimizer: str = "sgd",
+        capacity_bytes: int = 10**9) -> Run:
     torch.manual_seed(0)
     model = scenario.make_model()
     if optimizer == "adam":
@@ -294,7 +295,7 @@ def run(scenario: Scenario, iterations: int, chameleon: bool = True, config: dic
     result = Run([], [], {})
     runtime = None
     if chameleon:
-        runtime = Chameleon({"min_swap_bytes": 0, **(config or {})}, device=EmulatedDevice(capacity_bytes=10**9))
+        runtime = Chameleon({"min_swap_bytes": 0, **(config or {})}, device=EmulatedDevice(capacity_bytes=capacity_bytes))
         runtime.attach(model)
         runtime.watch_optimizer(opt)
         conclude = runtime.profiler.conclude

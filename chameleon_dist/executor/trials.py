@@ -41,13 +41,18 @@ class PolicyTrials:
         start = time.perf_counter()
         result = generate_policies(trace, settings)
         self.generation_s = time.perf_counter() - start
-        self.candidates = result.policies
+        # a policy the simulator already says does not fit is not worth a trial: the swap-everything executor
+        # (with passive swap behind it) is the safer bet then
+        self.candidates = [p for p in result.policies if p.feasible]
         self.regenerate = False
         best = result.best
         logger.info(
-            "generated %d policies from iteration %d in %.3f s; best: %s",
-            len(self.candidates), trace.iteration, self.generation_s, best.summary().splitlines()[0] if best else "none",
+            "generated %d policies (%d predicted to fit) from iteration %d in %.3f s; best: %s",
+            len(result.policies), len(self.candidates), trace.iteration, self.generation_s,
+            best.summary().splitlines()[0] if best else "none",
         )
+        if best is not None and not best.feasible:
+            logger.warning("no policy fits the memory budget (%s); swapping every eligible tensor instead", best.reason)
         return self.candidates
 
     def start(self) -> None:
@@ -76,6 +81,9 @@ class PolicyTrials:
     def choose(self) -> Policy | None:
         """The fastest policy that held (per policy: its best trial); None when none did."""
         held = [r for r in self.results if r.held]
+        if not self.results:
+            self.current = None
+            return None
         if not held:
             logger.warning(
                 "none of %d policy trials held the memory budget; swapping every eligible tensor until the "

@@ -227,6 +227,17 @@ def _delay_prefetches(ctx: _Context, planned: list[Planned], sim: SimResult, tar
     return planned, sim
 
 
+def _swap_floor(ctx: _Context) -> int:
+    """The lowest peak any swap policy could reach: every candidate off the device for its whole window,
+    copies instant."""
+    base = np.asarray(ctx.base_curve, dtype=np.int64)
+    off = np.zeros(len(base) + 1, dtype=np.int64)
+    for c in ctx.candidates:
+        off[c.last_forward_use + 1] += c.nbytes
+        off[c.first_backward_use] -= c.nbytes
+    return int((base - np.cumsum(off)[:-1]).max(initial=0))
+
+
 def _within_host_budget(candidates: list[Candidate], host_budget_bytes: int | None, num_ops: int) -> list[Candidate]:
     host = np.zeros(num_ops + 1, dtype=np.int64)
     chosen = []
@@ -280,8 +291,14 @@ def _place(ctx: _Context, chosen: list[Candidate], allow_recompute: bool) -> lis
             take = min(need, spare_in[h])
             spare_in[h] -= take
             need -= take
-        p.swap_in_at = min(groups[g].start, cand.first_backward_use) if g < use_group else cand.first_backward_use
-        p.swap_in_at = max(p.swap_in_at, cand.last_forward_use + 1)
+        earliest = min(groups[g].start, cand.first_backward_use) if g < use_group else cand.first_backward_use
+        # just in time: the latest op from which the compute before the use covers the copy (no earlier
+        # than the layer found above, which had the spare link time)
+        at, ahead_s = cand.first_backward_use, 0.0
+        while at > earliest and ahead_s < copy_s:
+            at -= 1
+            ahead_s += ctx.op_times_s[at]
+        p.swap_in_at = max(at, cand.last_forward_use + 1)
     return [planned[c.storage_id] for c in chosen]
 
 
@@ -335,20 +352,23 @@ def _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planne
             f"({trace.op_names[op.name_id]}, {op.phase}), where no swappable saved activation is waiting for "
             "backward: swapping cannot lower this peak; raise memory_budget or shrink the model state/micro-batch"
         )
-    elif not feasible and sum(p.nbytes for p in planned if p.decision == SWAP) < sum(c.nbytes for c in ctx.candidates) // 2:
+    elif not feasible and _swap_floor(ctx) > s.budget_bytes:
+        floor = _swap_floor(ctx)
         reason = (
-            f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)} at op {sim.peak_op}: the host link "
-            f"({s.d2h_bytes_per_s / 1e9:.1f} GB/s out, {s.h2d_bytes_per_s / 1e9:.1f} GB/s in) cannot move enough "
-            "activations off the device before the peak; raise memory_budget, shrink the micro-batch or add "
-            "recomputation"
+            f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)}: even with every candidate off the device "
+            f"for its whole window the peak would be {format_bytes(floor)}, above the budget (what is live there is "
+            "not swappable: model state, temporaries, activations in use, tensors below min_swap_bytes); raise "
+            "memory_budget, lower min_swap_bytes, shrink the micro-batch or add recomputation"
         )
     elif not feasible:
+        op = trace.ops[sim.peak_op]
         reason = (
             f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)} at op {sim.peak_op} "
-            f"({trace.op_names[trace.ops[sim.peak_op].name_id]}, {trace.ops[sim.peak_op].phase}): "
-            "raise memory_budget, lower min_swap_bytes"
-            + (", raise host_memory_budget" if host_kept else "")
-            + " or shrink the micro-batch"
+            f"({trace.op_names[op.name_id]}, {op.phase}): swapping could reach {format_bytes(_swap_floor(ctx))} "
+            f"with instant copies, but the host link ({s.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
+            f"{s.h2d_bytes_per_s / 1e9:.1f} GB/s in) cannot move enough in time"
+            + (f" and host_memory_budget kept {format_bytes(host_kept)} on the device" if host_kept else "")
+            + "; raise memory_budget, shrink the micro-batch or add recomputation"
         )
     return Policy(
         name=name, budget_bytes=s.budget_bytes, feasible=feasible, predicted_peak_bytes=sim.peak_bytes,

@@ -87,12 +87,14 @@ class OnlineProfiler:
             if recorder is not None:
                 self.last_trace = recorder.finish()
 
-    def conclude(self, observation: Observation, saved_bytes: list[int], passive_swaps: int) -> IterationProfile:
+    def conclude(
+        self, observation: Observation, saved_bytes: list[int], passive_swaps: int, over_budget: str = ""
+    ) -> IterationProfile:
         signature = Signature.of(observation.ids, saved_bytes)
         comparison = compare(signature, self.reference, self.length_change, self.cosine_threshold)
         if comparison.changed:
             logger.info("operator sequence: %s (%d ops vs %d)", comparison.reason, comparison.num_ops, comparison.reference_num_ops)
-        transition = self.stages.advance(comparison.major, passive_swaps, comparison.reason)
+        transition = self.stages.advance(comparison.major, passive_swaps, comparison.reason, over_budget)
         # The reference is the sequence the current (or upcoming) policy is built from: renewed in every
         # profiled iteration and whenever the runtime goes back to WarmUp.
         if self.reference is None or observation.recorder is not None or self.stages.stage == WARMUP:

@@ -2,7 +2,8 @@
 
 - WarmUp (``warmup_iterations``): detailed profiling; out-of-memory is absorbed by passive swap.
 - GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration.
-- Stable: only the cheap signature. A major sequence change or a passive swap returns to WarmUp.
+- Stable: only the cheap signature. A major sequence change, a passive swap or a peak above the memory
+  budget (the policy no longer holds, e.g. after a minor change it absorbed) returns to WarmUp.
 A passive swap during WarmUp does not restart it: WarmUp runs with passive swap as its safety net.
 A major change during GenPolicy restarts WarmUp (the trace no longer describes the job). During WarmUp
 it does not: every WarmUp iteration renews the trace and the reference anyway, and the first iteration
@@ -35,11 +36,16 @@ class StageMachine:
         self.stage = WARMUP if warmup_iterations > 0 else GEN_POLICY
         self._done_in_stage = 0
 
-    def advance(self, major_change: bool, passive_swaps: int, change_reason: str = "") -> Transition | None:
-        """Account one finished iteration; returns the transition it caused, if any."""
+    def advance(
+        self, major_change: bool, passive_swaps: int, change_reason: str = "", over_budget: str = ""
+    ) -> Transition | None:
+        """Account one finished iteration; returns the transition it caused, if any. ``over_budget``
+        (a reason) says a Stable iteration went over the memory budget: its policy no longer holds."""
         before = self.stage
         if passive_swaps and self.stage != WARMUP:
             return self._go(WARMUP, f"{passive_swaps} passive swap(s): the device ran out of memory", before)
+        if over_budget and self.stage == STABLE:
+            return self._go(WARMUP, over_budget, before)
         if major_change and self.stage != WARMUP:
             return self._go(WARMUP, f"operator sequence changed: {change_reason}", before)
         self._done_in_stage += 1

@@ -1,0 +1,125 @@
+"""``chameleon-plan``: the fastest combination of parallel layout, recomputation and Chameleon swap for a
+model on a cluster, the alternatives with the reason each lost, and the comparison "best with swap vs best
+with recomputation vs best with TP/PP alone".
+
+    chameleon-plan --model llama2-7b --hardware ascend-910b --devices 8 --seq 8192 --global-batch 64
+    chameleon-plan --model configs/models/llama2-13b.yaml --devices 64 --json
+    chameleon-plan --reproduce            # the paper's comparison (docs/planner.md)
+    chameleon-plan --list                 # shipped profiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from chameleon_dist.config import ConfigError
+from chameleon_dist.planner import report
+from chameleon_dist.planner.layout import RECOMPUTE_MODES
+from chameleon_dist.planner.profiles import (
+    HARDWARE_KIND,
+    MODEL_KIND,
+    load_hardware,
+    load_model,
+    make_setup,
+    shipped_names,
+)
+from chameleon_dist.planner.search import PlanError, SearchSpace, search
+
+DEFAULT_MODEL, DEFAULT_HARDWARE, DEFAULT_DEVICES = "llama2-7b", "ascend-910b", 8
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 1, e.g. 1,2,4")
+    return values
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    bad = [v for v in values if v not in RECOMPUTE_MODES]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: recompute modes are {', '.join(RECOMPUTE_MODES)}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="chameleon-plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model or a .yaml profile (default {DEFAULT_MODEL})")
+    parser.add_argument("--hardware", default=DEFAULT_HARDWARE,
+                        help=f"shipped accelerator or a .yaml profile (default {DEFAULT_HARDWARE})")
+    parser.add_argument("--devices", type=int, default=DEFAULT_DEVICES, help=f"world size (default {DEFAULT_DEVICES})")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the model profile's seq_length)")
+    parser.add_argument("--global-batch", type=int, help="sequences per iteration (default: 8 per device)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
+                        help="optimizer sharding: 1 = Megatron's distributed optimizer (default)")
+    parser.add_argument("--attention", choices=("flash", "unfused"), default="flash")
+    parser.add_argument("--no-sequence-parallel", action="store_true")
+    parser.add_argument("--tp", type=_ints, help="TP degrees to try, e.g. 1,2,4 (default: all that divide)")
+    parser.add_argument("--pp", type=_ints, help="PP degrees to try (default: all that divide)")
+    parser.add_argument("--vpp", type=_ints, default=(1, 2, 4), help="model chunks per stage (default 1,2,4)")
+    parser.add_argument("--micro-batch", type=_ints, default=(1, 2, 4), help="micro-batch sizes (default 1,2,4)")
+    parser.add_argument("--recompute", type=_modes, default=RECOMPUTE_MODES,
+                        help=f"recompute modes to try (default {','.join(RECOMPUTE_MODES)})")
+    parser.add_argument("--no-swap", action="store_true", help="plan without Chameleon swap")
+    parser.add_argument("--top", type=int, default=12, help="alternatives shown (default 12)")
+    parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                        help="write the result as JSON to PATH (or stdout without PATH)")
+    parser.add_argument("--reproduce", action="store_true", help="print the paper's comparison tables (markdown)")
+    parser.add_argument("--list", action="store_true", help="list the shipped model and hardware profiles")
+    parser.add_argument("--log-level", default="WARNING")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except (ConfigError, PlanError) as exc:
+        print(f"chameleon-plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.list:
+        for kind in (MODEL_KIND, HARDWARE_KIND):
+            print(f"{kind} profiles: {', '.join(shipped_names(kind))}")
+        return 0
+    if args.reproduce:
+        from chameleon_dist.planner.reproduce import markdown, reproduce
+
+        print(markdown(reproduce()))
+        return 0
+    model = load_model(args.model)
+    hardware = load_hardware(args.hardware)
+    seq = args.seq or model.seq_length
+    batch = args.global_batch or 8 * args.devices
+    for option, value in (("--devices", args.devices), ("--seq", seq), ("--global-batch", batch)):
+        if value < 1:
+            raise PlanError(f"{option} must be >= 1, got {value}")
+    setup = make_setup(
+        global_batch_size=batch, seq_length=seq, precision=args.precision, zero_stage=args.zero_stage,
+        attention=args.attention, sequence_parallel=not args.no_sequence_parallel,
+    )
+    space = SearchSpace(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch=args.micro_batch,
+                        recompute=args.recompute, swap=(False,) if args.no_swap else (False, True))
+    result = search(model, hardware, setup, args.devices, space)
+    if args.json:
+        text = json.dumps(report.result_dict(result), indent=1, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as handle:
+                handle.write(text)
+            print(f"chameleon-plan: result written to {args.json}", file=sys.stderr)
+    if args.json != "-":
+        print(report.text_report(result, top=args.top))
+    return 0 if result.best is not None else 3

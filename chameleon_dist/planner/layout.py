@@ -1,0 +1,113 @@
+"""A parallel layout (TP, PP, DP, VPP, EP, micro-batch size, recompute, swap) and its pipeline schedule.
+
+Schedules follow Megatron-core: non-interleaved 1F1B (stage ``i`` of ``p`` runs ``p - i - 1`` warm-up
+forwards, then alternates one forward and one backward, then drains), and the interleaved schedule with
+``v`` model chunks per stage (warm-up ``2 (p - i - 1) + (v - 1) p`` chunk forwards; the forward order
+visits chunk ``(k mod p v) // p`` of micro-batch ``(k // p v) p + k mod p``; backward chunks in reverse).
+Under both, the first stage holds the most micro-batches in flight: ``p`` under 1F1B (Korthikanti et al.,
+arXiv 2205.05198), ``p v + p - 1`` chunks (``1 + (p - 1) / (p v)`` of the model's layers) interleaved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+RECOMPUTE_MODES = ("none", "selective", "block", "full")
+Recompute = Literal["none", "selective", "block", "full"]
+FORWARD_STEP, BACKWARD_STEP = "F", "B"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
+    micro_batch: int = 1
+    ep: int = 1  # expert parallelism (MoE), inside the data-parallel group
+    recompute: str = "none"  # "block": the first ``recompute_layers`` layers of every chunk, fully
+    recompute_layers: int = 0
+    swap: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "vpp", "micro_batch", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp})")
+        if (self.recompute == "block") != (self.recompute_layers > 0):
+            raise ValueError("recompute_layers (> 0) goes with recompute='block' only")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def recomputed_layers(self, layers_per_chunk: int) -> int:
+        """Layers of each model chunk rebuilt from their input in backward."""
+        return {"full": layers_per_chunk, "block": min(self.recompute_layers, layers_per_chunk)}.get(self.recompute, 0)
+
+    def num_micro_batches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP{self.vpp}")
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        parts.append(f"mb{self.micro_batch}")
+        if self.recompute == "block":
+            parts.append(f"recompute-{self.recompute_layers}-layers")
+        else:
+            parts.append({"none": "no-recompute", "selective": "selective-recompute", "full": "full-recompute"}[self.recompute])
+        if self.swap:
+            parts.append("swap")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def warmup_steps(stage: int, pp: int, vpp: int, num_micro_batches: int) -> int:
+    """Chunk forwards a stage runs before its first backward."""
+    total = num_micro_batches * vpp
+    if vpp == 1:
+        return min(pp - stage - 1, total)
+    return min((pp - stage - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def in_flight_chunks(stage: int, pp: int, vpp: int, num_micro_batches: int) -> int:
+    """Most (micro-batch, chunk) forwards whose backward has not run yet, at any time on ``stage``."""
+    return min(warmup_steps(stage, pp, vpp, num_micro_batches) + 1, num_micro_batches * vpp)
+
+
+def _chunk_of(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
+    """(micro-batch, chunk) of the ``k``-th forward (or backward) chunk step of the interleaved schedule."""
+    group = k % (pp * vpp)
+    chunk = group // pp
+    micro_batch = (k // (pp * vpp)) * pp + k % pp
+    return micro_batch, chunk if forward else vpp - 1 - chunk
+
+
+def schedule(stage: int, pp: int, vpp: int, num_micro_batches: int) -> list[tuple[str, int, int]]:
+    """The order of ``(F|B, micro_batch, chunk)`` steps one stage runs in one iteration."""
+    if vpp > 1 and num_micro_batches % pp:
+        raise ValueError(f"the interleaved schedule needs the micro-batch count ({num_micro_batches}) to be a "
+                         f"multiple of pp ({pp}); change global_batch_size or micro_batch")
+    total = num_micro_batches * vpp
+    warmup = warmup_steps(stage, pp, vpp, num_micro_batches)
+
+    def step(kind: str, k: int) -> tuple[str, int, int]:
+        if vpp == 1:
+            return kind, k, 0
+        return (kind, *_chunk_of(k, pp, vpp, kind == FORWARD_STEP))
+
+    steps = [step(FORWARD_STEP, k) for k in range(warmup)]
+    for j in range(total - warmup):
+        steps.append(step(FORWARD_STEP, warmup + j))
+        steps.append(step(BACKWARD_STEP, j))
+    steps.extend(step(BACKWARD_STEP, k) for k in range(total - warmup, total))
+    return steps

@@ -1,0 +1,122 @@
+"""Readable tables and JSON for a :class:`~chameleon_dist.planner.search.SearchResult`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from chameleon_dist.planner.search import FEASIBLE, OUT_OF_MEMORY, PRUNED, Plan, SearchResult
+from chameleon_dist.planner.timing import COMPONENTS
+
+GB = 1e9
+COMPARISON_ROWS = (
+    ("swap", "best with Chameleon swap (no recomputation)"),
+    ("recompute", "best with recomputation (no swap)"),
+    ("parallel", "best with TP/PP alone (no swap, no recomputation)"),
+)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:+.1f}%"
+
+
+def _time_parts(plan: Plan) -> str:
+    parts = [f"{name.replace('_', ' ')} {getattr(plan.time, name):.2f}" for name in COMPONENTS if getattr(plan.time, name) > 5e-4]
+    return " + ".join(parts)
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def plan_row(plan: Plan, best: Plan | None) -> list[str]:
+    vs = "-" if best is None or plan.status == OUT_OF_MEMORY else f"{plan.iteration_s / best.iteration_s:.3f}x"
+    swap = "-"
+    if plan.swap:
+        swap = f"{plan.swapped_bytes / GB:.0f} GB, stall {plan.time.stall:.2f} s"
+    time_s = f"{plan.iteration_s:.2f}" if plan.status == FEASIBLE else (f">={plan.iteration_s:.2f}" if plan.status == PRUNED else "-")
+    return [plan.layout.describe(), f"{plan.peak_bytes / GB:.1f}", time_s, vs, swap, plan.reason]
+
+
+def header_text(result: SearchResult) -> str:
+    s, m, h = result.setup, result.model, result.hardware
+    return (
+        f"chameleon-plan: {m.name} ({m.parameter_count(s.seq_length) / 1e9:.2f} B parameters) on {result.world_size} x "
+        f"{h.name} ({h.memory_bytes / GB:.0f} GB, {h.usable_bytes / GB:.0f} GB usable; host link "
+        f"{h.d2h_bytes_per_s / GB:.0f} GB/s)\n"
+        f"training: global batch {s.global_batch_size} x seq {s.seq_length}, {s.precision}, ZeRO stage {s.zero_stage}, "
+        f"{s.attention} attention, sequence parallel {'on' if s.sequence_parallel else 'off'}\n"
+        f"searched {len(result.plans)} plans ({result.policy_runs} swap-policy simulations) in {result.elapsed_s:.2f} s"
+    )
+
+
+def comparison_text(result: SearchResult) -> str:
+    c = result.comparison()
+    rows = []
+    for key, label in COMPARISON_ROWS:
+        plan = c[key]
+        if plan is None:
+            rows.append([label, "none fits", "-", "-"])
+            continue
+        speed = "-" if key == "swap" else _pct(c[f"speedup_vs_{key}"])
+        rows.append([label, plan.layout.describe(), f"{plan.iteration_s:.2f}", speed])
+    text = table(rows, ["comparison", "plan", "iteration s", "swap plan faster by"])
+    if c["speedup_vs_best_without_swap"] is not None:
+        text += f"\nswap plan vs the best plan without swap: {_pct(c['speedup_vs_best_without_swap'])}"
+    return text
+
+
+def text_report(result: SearchResult, top: int = 12) -> str:
+    best = result.best
+    lines = [header_text(result), ""]
+    if best is None:
+        lines.append("NO PLAN FITS: " + result.infeasible_message())
+    else:
+        lines += [
+            f"best plan: {best.layout.describe()}: {best.iteration_s:.2f} s per iteration, "
+            f"{best.tokens_per_s_per_device():,.0f} tokens/s per device, MFU {best.mfu(result.hardware) * 100:.1f}%",
+            f"  time (s): {_time_parts(best)}",
+            f"  memory{' without swap' if best.swap else ''}: {best.describe_memory()}",
+        ]
+        if best.swap:
+            lines.append(f"  swap: {best.swapped_bytes / GB:.1f} GB per iteration to the host; predicted peak "
+                         f"{best.peak_bytes / GB:.1f} GB of {best.usable_bytes / GB:.1f} GB usable")
+        lines += ["", comparison_text(result)]
+    feasible = [p for p in result.plans if p.status == FEASIBLE]
+    shown = feasible[:top]
+    for plan in (result.comparison()[k] for k, _ in COMPARISON_ROWS):
+        if plan is not None and plan not in shown:
+            shown.append(plan)
+    oom = [p for p in result.plans if p.status == OUT_OF_MEMORY]
+    pruned = [p for p in result.plans if p.status == PRUNED]
+    fastest_oom = sorted(oom, key=lambda p: p.iteration_s)[:3]
+    lines += ["", f"alternatives ({len(feasible)} fit, {len(pruned)} pruned, {len(oom)} out of memory; top {len(shown)} "
+                  f"that fit and the {len(fastest_oom)} fastest that do not):"]
+    rows = [plan_row(p, best) for p in shown + fastest_oom]
+    lines.append(table(rows, ["plan", "peak GB", "iteration s", "vs best", "swap", "why not the best"]))
+    return "\n".join(lines)
+
+
+def result_dict(result: SearchResult, top: int | None = None) -> dict:
+    c = result.comparison()
+    plans = result.plans if top is None else result.plans[:top]
+    return {
+        "model": result.model.model_dump(), "hardware": result.hardware.model_dump(),
+        "setup": result.setup.model_dump(), "devices": result.world_size,
+        "elapsed_s": result.elapsed_s, "policy_runs": result.policy_runs,
+        "best": None if result.best is None else result.best.to_dict(result.hardware),
+        "infeasible_message": None if result.best is not None else result.infeasible_message(),
+        "comparison": {k: (v.to_dict(result.hardware) if isinstance(v, Plan) else v) for k, v in c.items()},
+        "alternatives": [_compact(p) for p in plans],
+    }
+
+
+def _compact(plan: Plan) -> dict:
+    return {
+        "layout": dataclasses.asdict(plan.layout), "describe": plan.layout.describe(), "status": plan.status,
+        "iteration_s": plan.iteration_s, "peak_bytes": plan.peak_bytes, "reason": plan.reason,
+        "time": plan.time.to_dict(), "swapped_bytes": plan.swapped_bytes,
+    }

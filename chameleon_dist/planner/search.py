@@ -1,0 +1,329 @@
+"""Layout search: TP, PP, DP, VPP, EP, micro-batch size, recomputation and swap for one world size.
+
+Every layout gets the cost model's per-rank peak and iteration time; layouts that only fit with swapping
+get the policy generator's verdict on their stage traces, in order of their time without stall, and only
+while that time can still beat the best plan that needs no recomputation (a branch and bound: the
+generator is the one expensive step). The result holds the best feasible plan, every alternative with
+the reason it lost, and the comparison "best with swap vs best with recomputation vs best with a high
+TP/PP degree and neither".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from types import MappingProxyType
+
+from chameleon_dist.planner.layout import RECOMPUTE_MODES, Layout
+from chameleon_dist.planner.memory import StageMemory, rank_peaks, stage_layers
+from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
+from chameleon_dist.planner.swap_model import SwapEstimate, estimate_swap, stages_needing_swap
+from chameleon_dist.planner.timing import COMPONENTS, TimeBreakdown, iteration_time, model_flops_per_iteration, stage_timing
+
+logger = logging.getLogger(__name__)
+
+FEASIBLE, OUT_OF_MEMORY, PRUNED = "feasible", "out of memory", "pruned"
+SWAP, RECOMPUTE, PARALLEL = "swap", "recompute", "parallel"
+COMPONENT_LABELS = MappingProxyType({
+    "compute": "compute", "recompute": "recomputation", "tp_comm": "communication (TP)",
+    "ep_comm": "communication (EP)", "pp_comm": "communication (PP)", "bubble": "pipeline bubble",
+    "dp_comm": "communication (DP)", "optimizer": "optimizer step", "stall": "swap stall",
+})
+
+
+class PlanError(ValueError):
+    """Inputs the planner cannot plan for; the message names the setting to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """What the search may vary; None: every value that divides the problem."""
+
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    vpp: tuple[int, ...] = (1, 2, 4)
+    ep: tuple[int, ...] | None = None
+    micro_batch: tuple[int, ...] = (1, 2, 4)
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    swap: tuple[bool, ...] = (False, True)
+
+
+@dataclasses.dataclass
+class Plan:
+    layout: Layout
+    memory: list[StageMemory]
+    time: TimeBreakdown
+    usable_bytes: int
+    status: str = FEASIBLE
+    peak_bytes: int = 0  # the worst stage; with swap, as the policy predicts it
+    swap: list[SwapEstimate] = dataclasses.field(default_factory=list)
+    reason: str = ""  # why it is not the best (filled by the search)
+    tokens_per_iteration: int = 0
+    model_flops: float = 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return self.status == FEASIBLE
+
+    @property
+    def iteration_s(self) -> float:
+        return self.time.total_s
+
+    @property
+    def category(self) -> str:
+        if self.layout.recompute != "none":
+            return RECOMPUTE
+        return SWAP if self.layout.swap else PARALLEL
+
+    @property
+    def swapped_bytes(self) -> int:
+        return max((s.swapped_bytes for s in self.swap), default=0)
+
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_iteration / self.iteration_s / self.layout.world_size
+
+    def mfu(self, hardware: HardwareProfile) -> float:
+        """Model FLOPs utilisation (useful FLOPs, no recomputation, over the devices' peak)."""
+        return self.model_flops / (self.iteration_s * self.layout.world_size * hardware.peak_flops_per_s)
+
+    def describe_memory(self) -> str:
+        worst = max(self.memory, key=lambda m: m.peak_bytes)
+        return worst.describe()
+
+    def to_dict(self, hardware: HardwareProfile | None = None) -> dict:
+        data = {
+            "layout": self.layout.to_dict(), "describe": self.layout.describe(), "status": self.status,
+            "reason": self.reason, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes,
+            "no_swap_peak_bytes": max(m.peak_bytes for m in self.memory),
+            "iteration_s": self.iteration_s, "time": self.time.to_dict(),
+            "tokens_per_s_per_device": self.tokens_per_s_per_device(),
+            "stages": [dataclasses.asdict(m) for m in self.memory],
+            "swap": [dataclasses.asdict(s) for s in self.swap],
+        }
+        if hardware is not None:
+            data["mfu"] = self.mfu(hardware)
+        return data
+
+
+def evaluate(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout,
+             run_swap: bool = True) -> Plan:
+    """One layout's memory and time (and, for a swap layout that needs it, the policy's verdict)."""
+    memory = rank_peaks(model, setup, layout)
+    plan = Plan(layout, memory, iteration_time(model, hardware, setup, layout), hardware.usable_bytes,
+                peak_bytes=max(m.peak_bytes for m in memory),
+                tokens_per_iteration=setup.global_batch_size * setup.seq_length,
+                model_flops=model_flops_per_iteration(model, setup))
+    if plan.peak_bytes <= hardware.usable_bytes:
+        return plan
+    plan.status = OUT_OF_MEMORY
+    if layout.swap and run_swap:
+        _apply_swap(plan, model, hardware, setup)
+    return plan
+
+
+def _apply_swap(plan: Plan, model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup) -> None:
+    timing = stage_timing(model, hardware, setup, plan.layout)
+    estimates = [estimate_swap(model, hardware, setup, plan.layout, m, timing)
+                 for m in stages_needing_swap(plan.memory, hardware.usable_bytes)]
+    plan.swap = estimates
+    stall = max(e.stall_s for e in estimates)
+    plan.time = iteration_time(model, hardware, setup, plan.layout, stall_s=stall)
+    others = [m.peak_bytes for m in plan.memory if m.stage not in {e.stage for e in estimates}]
+    plan.peak_bytes = max([e.peak_bytes for e in estimates] + others)
+    plan.status = FEASIBLE if all(e.feasible for e in estimates) and plan.peak_bytes <= hardware.usable_bytes else OUT_OF_MEMORY
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, world_size: int,
+            space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
+    """Every layout the space allows for ``world_size`` devices (block recomputation with 1 layer per
+    chunk; the search raises it to what fits)."""
+    recompute_modes = [r for r in space.recompute if not (r == "selective" and setup.attention == "flash")]
+    for tp in space.tp or _divisors(world_size):
+        if (world_size % tp or tp > hardware.devices_per_node or model.num_attention_heads % tp
+                or model.query_groups % tp):
+            continue
+        for pp in space.pp or _divisors(world_size // tp):
+            if (world_size // tp) % pp or model.num_layers % pp:
+                continue
+            dp = world_size // (tp * pp)
+            eps = [1] if not model.is_moe else [e for e in (space.ep or _divisors(dp)) if dp % e == 0 and model.num_experts % e == 0]
+            for ep in eps:
+                for vpp in space.vpp:
+                    if vpp > 1 and (pp == 1 or (model.num_layers // pp) % vpp):
+                        continue
+                    for b in space.micro_batch:
+                        if setup.global_batch_size % (dp * b):
+                            continue
+                        m = setup.global_batch_size // (dp * b)
+                        if vpp > 1 and m % pp:
+                            continue
+                        for recompute in recompute_modes:
+                            block = 1 if recompute == "block" else 0
+                            if block and model.num_layers // pp // vpp < 2:
+                                continue
+                            for swap in space.swap:
+                                if swap and recompute != "none":
+                                    continue
+                                yield Layout(tp, pp, dp, vpp, b, ep, recompute, block, swap)
+
+
+def _fit_block(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> Layout | None:
+    """The fewest recomputed layers per chunk that fit (None: none or all of them)."""
+    per_chunk = stage_layers(model, layout) // layout.vpp
+
+    def fits(n: int) -> bool:
+        trial = dataclasses.replace(layout, recompute_layers=n)
+        return max(m.peak_bytes for m in rank_peaks(model, setup, trial)) <= hardware.usable_bytes
+
+    low, high = 1, per_chunk - 1
+    if _fits_without(model, hardware, setup, layout) or not fits(high):
+        return None
+    while low < high:
+        mid = (low + high) // 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return dataclasses.replace(layout, recompute_layers=low)
+
+
+def _fits_without(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> bool:
+    plain = dataclasses.replace(layout, recompute="none", recompute_layers=0)
+    return max(m.peak_bytes for m in rank_peaks(model, setup, plain)) <= hardware.usable_bytes
+
+
+@dataclasses.dataclass
+class SearchResult:
+    model: ModelProfile
+    hardware: HardwareProfile
+    setup: TrainingSetup
+    world_size: int
+    plans: list[Plan]  # feasible fastest first, then pruned, then out of memory
+    policy_runs: int
+    elapsed_s: float
+
+    @property
+    def best(self) -> Plan | None:
+        return self.plans[0] if self.plans and self.plans[0].feasible else None
+
+    def best_of(self, category: str) -> Plan | None:
+        return next((p for p in self.plans if p.feasible and p.category == category), None)
+
+    def comparison(self) -> dict:
+        """Best with swap (Chameleon: no recomputation, swap where needed) vs best with recomputation vs
+        best with parallelism alone; speedups are time ratios minus one ("x% faster")."""
+        chameleon = self.best_of(SWAP)
+        parallel = self.best_of(PARALLEL)
+        if chameleon is None or (parallel is not None and parallel.iteration_s <= chameleon.iteration_s):
+            chameleon = parallel  # swapping was not needed: the plain plan is Chameleon's plan
+        recompute = self.best_of(RECOMPUTE)
+
+        def speedup(other: Plan | None) -> float | None:
+            if chameleon is None or other is None:
+                return None
+            return other.iteration_s / chameleon.iteration_s - 1
+
+        baseline = min((p for p in (recompute, parallel) if p is not None), key=lambda p: p.iteration_s, default=None)
+        return {"swap": chameleon, "recompute": recompute, "parallel": parallel,
+                "speedup_vs_recompute": speedup(recompute), "speedup_vs_parallel": speedup(parallel),
+                "speedup_vs_best_without_swap": speedup(baseline)}
+
+    def infeasible_message(self) -> str:
+        """Why nothing fits, naming what to change."""
+        smallest = min(self.plans, key=lambda p: p.peak_bytes, default=None)
+        if smallest is None:
+            return "no layout was evaluated"
+        worst = max(smallest.memory, key=lambda m: m.peak_bytes)
+        gb = 1e9
+        what = ("the model state alone" if worst.state.total_bytes + worst.workspace_bytes > self.hardware.usable_bytes
+                else "model state plus the activations of one micro-batch")
+        return (
+            f"nothing fits on {self.world_size} x {self.hardware.name}: {what} does not fit. The smallest per-rank "
+            f"peak is {smallest.peak_bytes / gb:.1f} GB ({smallest.layout.describe()}: model state "
+            f"{worst.state.total_bytes / gb:.1f} GB, workspace {worst.workspace_bytes / gb:.1f} GB, activations "
+            f"{worst.activation_bytes / gb:.1f} GB, transient {worst.transient_bytes / gb:.1f} GB) against "
+            f"{self.hardware.usable_bytes / gb:.1f} GB usable (memory_bytes - reserved_bytes of {self.hardware.name}). "
+            "Raise --devices, lower --seq or --global-batch, or use a hardware profile with more memory."
+        )
+
+
+def search(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, world_size: int,
+           space: SearchSpace = SearchSpace()) -> SearchResult:
+    start_s = time.perf_counter()
+    if world_size < 1:
+        raise PlanError(f"--devices must be >= 1, got {world_size}")
+    candidates = list(layouts(model, hardware, setup, world_size, space))
+    if not candidates:
+        raise PlanError(
+            f"no parallel layout for {world_size} devices: TP must divide num_attention_heads "
+            f"({model.num_attention_heads}) and num_query_groups ({model.query_groups}) and stay within a node "
+            f"({hardware.devices_per_node}), PP must divide num_layers ({model.num_layers}), and global_batch_size "
+            f"({setup.global_batch_size}) must be a multiple of dp x micro_batch; change --devices or --global-batch")
+    plans: list[Plan] = []
+    waiting: list[Plan] = []
+    for layout in candidates:
+        if layout.recompute == "block":
+            layout = _fit_block(model, hardware, setup, layout)
+            if layout is None:
+                continue
+        plan = evaluate(model, hardware, setup, layout, run_swap=False)
+        if layout.swap and plan.feasible:
+            continue  # fits without swapping: the same plan as its no-swap twin
+        (waiting if layout.swap else plans).append(plan)
+    bound = min((p.iteration_s for p in plans if p.feasible and p.layout.recompute == "none"), default=float("inf"))
+    runs = 0
+    for plan in sorted(waiting, key=lambda p: p.iteration_s):
+        if plan.iteration_s >= bound:
+            plan.status = PRUNED
+        else:
+            _apply_swap(plan, model, hardware, setup)
+            runs += len(plan.swap)
+            if plan.feasible:
+                bound = min(bound, plan.iteration_s)
+        plans.append(plan)
+    order = {FEASIBLE: 0, PRUNED: 1, OUT_OF_MEMORY: 2}
+    plans.sort(key=lambda p: (order[p.status], p.iteration_s if p.status != OUT_OF_MEMORY else p.peak_bytes, p.layout))
+    result = SearchResult(model, hardware, setup, world_size, plans, runs, 0.0)
+    _explain(result)
+    result.elapsed_s = time.perf_counter() - start_s
+    logger.info("searched %d layouts (%d policy runs) in %.2f s", len(plans), runs, result.elapsed_s)
+    return result
+
+
+def _explain(result: SearchResult) -> None:
+    best = result.best
+    gb = 1e9
+    for plan in result.plans:
+        if plan.status == OUT_OF_MEMORY:
+            worst = max(plan.memory, key=lambda m: m.peak_bytes)
+            if plan.swap:
+                failed = next((s for s in plan.swap if not s.feasible), plan.swap[0])
+                if "host_memory_budget" in failed.reason:
+                    why = "the host memory budget runs out"
+                elif "no swappable" in failed.reason or failed.micro_batches_simulated == 0:
+                    why = "the peak is where nothing can be swapped"
+                else:
+                    why = "copies cannot keep up with compute"
+                plan.reason = (f"out of memory even with swap: stage {failed.stage} peaks at "
+                               f"{failed.peak_bytes / gb:.1f} GB > {plan.usable_bytes / gb:.1f} GB usable ({why})")
+            else:
+                plan.reason = (f"out of memory: stage {worst.stage} needs {worst.peak_bytes / gb:.1f} GB > "
+                               f"{plan.usable_bytes / gb:.1f} GB usable")
+        elif plan.status == PRUNED:
+            plan.reason = "slower than the best plan without recomputation even before any swap stall"
+        elif best is not None and plan is not best:
+            deltas = {c: getattr(plan.time, c) - getattr(best.time, c) for c in COMPONENTS}
+            cause = max(deltas, key=deltas.get)
+            extra = plan.iteration_s / best.iteration_s - 1
+            if extra < 5e-4:
+                plan.reason = "as fast as the best (a tie; the best is first in layout order)"
+            else:
+                plan.reason = f"{extra * 100:.1f}% slower: {COMPONENT_LABELS[cause]} +{deltas[cause]:.2f} s"
+        elif plan is best:
+            plan.reason = "best"
