@@ -12,6 +12,7 @@ Usage from a plain PyTorch loop::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
@@ -175,6 +176,11 @@ class Chameleon:
                 trace = self.profiler.last_trace
                 if trace is None:
                     return None
+                if self.last_report is not None and self.last_report.iteration == trace.iteration:
+                    # compute time only: the profiled iteration's stalls were the swap-all executor's waits
+                    trace = dataclasses.replace(
+                        trace, iteration_s=max(trace.iteration_s - self.last_report.stall_s, trace.iteration_s / 2)
+                    )
                 self.trials.generate(trace, self._policy_settings())
             return self.trials.trial_policy()
         if stage == STABLE:

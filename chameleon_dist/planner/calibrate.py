@@ -11,10 +11,9 @@ persistent buffer. The functions here only describe that setup; measuring it is 
 from __future__ import annotations
 
 from chameleon_dist.planner.layout import Layout
-from chameleon_dist.planner.memory import StageMemory, head_activations, layer_activations, stage_layers, stage_memory
+from chameleon_dist.planner.memory import StageMemory, stage_memory
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
-from chameleon_dist.planner.swap_model import storage_parts
-from chameleon_dist.planner.timing import layer_flops, stage_timing
+from chameleon_dist.planner.timing import layer_flops
 
 UNBOUNDED_BYTES = 2**62
 
@@ -61,52 +60,4 @@ def calibrated_hardware(model: ModelProfile, setup: TrainingSetup, micro_batch: 
     )
 
 
-def swap_everything_stall_s(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, micro_batch: int,
-                            prefetch_depth: int = 2) -> float:
-    """Stall of the runtime's baseline executor on one micro-batch: every saved tensor of at least
-    ``setup.min_swap_bytes`` is copied out when it is saved (FIFO on the device-to-host link) and back
-    before its use (FIFO on the host-to-device link, never before its copy out completed), the next
-    ``prefetch_depth`` storages in reverse save order being requested when one is used. Saves are spread
-    evenly over their layer's forward, uses over its backward; the training stream waits for late copies."""
-    layout = Layout(micro_batch=micro_batch)
-    timing = stage_timing(model, hardware, setup, layout)
-    layer_parts = storage_parts(layer_activations(model, setup, 1, micro_batch).tensors)
-    head_parts = storage_parts(head_activations(model, setup, 1, micro_batch))
-    blocks = [(layer_parts, timing.layer.forward_op_s, timing.layer.backward_op_s)] * model.num_layers
-    blocks.append((head_parts, timing.head_forward_s, timing.head_backward_s))
-    floor = max(1, setup.min_swap_bytes)
-    clock = d2h_free = 0.0
-    saved: list[tuple[int, float]] = []  # (bytes, time its copy out completes), in save order
-    for parts, forward_s, _ in blocks:
-        for j, nbytes in enumerate(parts):
-            at = clock + forward_s * (j + 1) / len(parts)
-            if nbytes >= floor:
-                d2h_free = max(at, d2h_free) + nbytes / hardware.d2h_bytes_per_s
-                saved.append((nbytes, d2h_free))
-        clock += forward_s
-    uses: list[float] = []  # when backward needs each saved storage, in reverse save order
-    t = clock
-    for parts, _, backward_s in reversed(blocks):
-        wanted = [n for n in parts if n >= floor]
-        for j in range(len(wanted)):
-            uses.append(t + backward_s * j / max(1, len(wanted)))
-        t += backward_s
-    order = list(reversed(saved))
-    issued = [0.0] * len(order)
-    done = [0.0] * len(order)
-    h2d_free, stall, next_issue = 0.0, 0.0, 0
-    for k, use_at in enumerate(uses):
-        use_at += stall
-        while next_issue < len(order) and next_issue <= k + prefetch_depth:
-            request = use_at if next_issue == k else (use_at if next_issue > k else issued[next_issue])
-            nbytes, out_done = order[next_issue]
-            start = max(request, h2d_free, out_done)
-            h2d_free = done[next_issue] = start + nbytes / hardware.swap_h2d_bytes_per_s
-            issued[next_issue] = request
-            next_issue += 1
-        if done[k] > use_at:
-            stall += done[k] - use_at
-    return stall
-
-
-__all__ = ["calibrated_hardware", "cpu_peak", "cpu_setup", "megatron_cpu_gpt", "stage_layers", "swap_everything_stall_s"]
+__all__ = ["calibrated_hardware", "cpu_peak", "cpu_setup", "megatron_cpu_gpt"]

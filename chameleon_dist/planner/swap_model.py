@@ -19,7 +19,7 @@ import dataclasses
 import logging
 
 from chameleon_dist.planner.layout import FORWARD_STEP, Layout, in_flight_chunks, schedule
-from chameleon_dist.planner.memory import SavedTensor, StageMemory, head_activations, layer_activations, stage_layers
+from chameleon_dist.planner.memory import SavedTensor, StageMemory, head_activations, layer_activations
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
 from chameleon_dist.planner.timing import StageTiming
 from chameleon_dist.policy import PolicySettings, generate_policies
@@ -188,4 +188,4 @@ def stages_needing_swap(memories: list[StageMemory], usable_bytes: int) -> list[
     return [picked[k] for k in sorted(picked)]
 
 
-__all__ = ["SwapEstimate", "build_stage_trace", "estimate_swap", "stages_needing_swap", "stage_layers", "storage_parts"]
+__all__ = ["SwapEstimate", "build_stage_trace", "estimate_swap", "stages_needing_swap", "storage_parts"]

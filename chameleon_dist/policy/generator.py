@@ -47,6 +47,7 @@ class PolicySettings:
     allow_recompute: bool = True
     ops_per_group: int = 64
     budget_fraction: float = 1.0  # < 1 makes every trial stricter (after passive swaps)
+    prefetch_slack: float = 1.5  # swap-ins start this many copy-times of compute before the use, when possible
 
     def __post_init__(self) -> None:
         problems = []
@@ -295,7 +296,7 @@ def _place(ctx: _Context, chosen: list[Candidate], allow_recompute: bool) -> lis
         # just in time: the latest op from which the compute before the use covers the copy (no earlier
         # than the layer found above, which had the spare link time)
         at, ahead_s = cand.first_backward_use, 0.0
-        while at > earliest and ahead_s < copy_s:
+        while at > earliest and ahead_s < copy_s * s.prefetch_slack:
             at -= 1
             ahead_s += ctx.op_times_s[at]
         p.swap_in_at = max(at, cand.last_forward_use + 1)
