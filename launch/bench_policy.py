@@ -351,7 +351,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=5, help="(1) recorded iterations per model")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--budgets-gib", type=float, nargs="+", default=[48, 40, 32], help="(2) memory budgets")
+    parser.add_argument("--budgets-gib", type=float, nargs="+", default=[64, 60, 56, 48, 40], help="(2) memory budgets")
     parser.add_argument("--link-gbps", type=float, default=23.0,
                         help="(2) host link GB/s each way (default: REFERENCE.md's measured Ascend 910B figure)")
     parser.add_argument("--peak-tflops", type=float, default=313.0, help="(2) accelerator peak (910B fp16)")
