@@ -290,19 +290,17 @@ def print_report(r: dict) -> None:
           f"{c['hidden']}, {c['heads']} heads, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']}; MoE: every "
           f"odd layer {c['experts']} experts, top-{c['top_k']}; median of {c['iterations']} recorded iterations "
           f"after {c['warmup']} warm-up)")
-    print(f"{'model':<7}{'layers':>7}{'params M':>9}{'iter s':>8}{'CV':>7}{'Eq.1 mean err':>15}{'max err':>9}"
-          f"{'layer-ops-only mean':>21}{'max':>8}{'calibrated max':>16}")
+    print(f"{'model':<7}{'layers':>7}{'params M':>9}{'iter s':>8}{'CV':>7}{'Eq.1 mean err':>15}{'max err':>9}")
     for kind, m in r["eq1"]["models"].items():
         print(f"{kind:<7}{m['layers']:>7}{m['parameters'] / 1e6:>9.2f}{m['iteration_s']:>8.3f}{m['measured_cv']:>7.3f}"
-              f"{m['eq1_mean_error']:>15.1%}{m['eq1_max_error']:>9.1%}{m['eq1_layer_ops_mean_error']:>21.1%}"
-              f"{m['eq1_layer_ops_max_error']:>8.1%}{m['calibrated_max_error']:>16.1%}")
+              f"{m['eq1_mean_error']:>15.1%}{m['eq1_max_error']:>9.1%}")
     for kind, m in r["eq1"]["models"].items():
         print(f"  {kind}: forward ms per layer {' '.join(f'{t:.1f}' for t in m['layer_times_ms'])}; forward ops per "
               f"layer {' '.join(map(str, m['layer_forward_ops']))} (+ {m['outside_forward_ops']} outside the layers)")
         if m["expert_token_counts"]:
             print(f"  {kind}: tokens per expert, first MoE layer, last iteration: {list(m['expert_token_counts'][0])}")
-    print("  (errors are on shares of the forward layer total, as eq1_error computes them; layer-ops-only leaves out "
-          "the embedding/head/loss ops that logical_layers adds to the first and last layer)")
+    print("  (errors are on shares of the forward layer total over each layer's own ops, as eq1_error computes "
+          "them; CV: coefficient of variation of the measured layer times)")
     g = r["generation"]
     e, t = g["iteration_estimate"], g["trace"]
     print()
