@@ -1,30 +1,35 @@
 """chameleon-dist: activation swapping that keeps working when the operator sequence changes.
 
 Importing this package initialises no CUDA and imports neither Megatron nor DeepSpeed; those live in
-``chameleon_dist.integrations`` and load only when used.
+``chameleon_dist.integrations`` and load only when used. The names below load on first use, so tools
+that need no torch (``chameleon-plan``) start fast.
 """
 
-from chameleon_dist.config import ChameleonConfig, ConfigError, load_config
-from chameleon_dist.device import EmulatedDevice
-from chameleon_dist.report import IterationReport
-from chameleon_dist.runtime import Chameleon
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Chameleon",
-    "ChameleonConfig",
-    "ConfigError",
-    "CudaDevice",
-    "EmulatedDevice",
-    "IterationReport",
-    "load_config",
-]
+_LAZY = {
+    "Chameleon": "chameleon_dist.runtime",
+    "ChameleonConfig": "chameleon_dist.config",
+    "ConfigError": "chameleon_dist.config",
+    "load_config": "chameleon_dist.config",
+    "EmulatedDevice": "chameleon_dist.device.emulated",
+    "CudaDevice": "chameleon_dist.device.cuda",
+    "IterationReport": "chameleon_dist.report",
+}
+
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str):
-    if name == "CudaDevice":
-        from chameleon_dist.device.cuda import CudaDevice
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
-        return CudaDevice
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from chameleon_dist.config import ChameleonConfig, load_config
+from chameleon_dist.planner import HardwareProfile, ModelProfile, load_hardware, load_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -21,7 +22,11 @@ LOADERS = {
     "chameleon": load_config,
     "deepspeed": ChameleonConfig.from_deepspeed_config,
     "jobs": _load_job,
+    "models": load_model,
+    "hardware": load_hardware,
 }
+# Planner profiles are not Chameleon configs: each folder's loader must return its own type.
+PROFILE_TYPES = {"models": ModelProfile, "hardware": HardwareProfile}
 
 FILES = sorted(p for p in CONFIGS.rglob("*") if p.is_file())
 
@@ -34,7 +39,11 @@ def test_every_config_folder_has_a_loader():
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_config_file_loads(path):
-    config = LOADERS[path.relative_to(CONFIGS).parts[0]](path)
+    folder = path.relative_to(CONFIGS).parts[0]
+    config = LOADERS[folder](path)
+    if folder in PROFILE_TYPES:
+        assert isinstance(config, PROFILE_TYPES[folder]) and config.name == path.stem
+        return
     assert isinstance(config, ChameleonConfig)
     assert config.enabled
 

@@ -127,24 +127,26 @@ def layer_activations(model: ModelProfile, setup: TrainingSetup, tp: int, micro_
     out.append(t("projection input", h * e, tp))
     if drop:
         out.append(t("attention residual dropout mask", h * MASK_BYTES, rep))
-    mlp = [t("norm2 input", h * e, rep), t("norm2 statistics", _norm_stats_bytes(model), rep)]
+    def m(name: str, per_token_bytes: float, divisor: int) -> SavedTensor:
+        return t(name, per_token_bytes, divisor, mlp=True)
+
+    out += [m("norm2 input", h * e, rep), m("norm2 statistics", _norm_stats_bytes(model), rep)]
     k = model.moe_router_topk if model.is_moe else 1
     if model.is_moe:
-        mlp.append(t("router input", h * e, rep))
-        mlp.append(t("router probabilities", model.num_experts * FP32_BYTES, rep))
-        mlp.append(t("expert inputs", k * h * e, tp))
+        out.append(m("router input", h * e, rep))
+        out.append(m("router probabilities", model.num_experts * FP32_BYTES, rep))
+        out.append(m("expert inputs", k * h * e, tp))
     else:
-        mlp.append(t("fc1 input", h * e, rep))
+        out.append(m("fc1 input", h * e, rep))
     if model.activation == "gelu":
-        mlp += [t("gelu input", k * f * e, tp), t("fc2 input", k * f * e, tp)]
+        out += [m("gelu input", k * f * e, tp), m("fc2 input", k * f * e, tp)]
     else:
-        mlp.append(t("fc1 output (gate, up)", k * 2 * f * e, tp))
+        out.append(m("fc1 output (gate, up)", k * 2 * f * e, tp))
         if not setup.fused_swiglu:
-            mlp.append(t("silu output", k * f * e, tp))
-        mlp.append(t("fc2 input", k * f * e, tp))
+            out.append(m("silu output", k * f * e, tp))
+        out.append(m("fc2 input", k * f * e, tp))
     if drop:
-        mlp.append(t("mlp dropout mask", h * MASK_BYTES, rep))
-    out += [dataclasses.replace(x, mlp=True) for x in mlp]
+        out.append(m("mlp dropout mask", h * MASK_BYTES, rep))
     return LayerActivations(tuple(t_ for t_ in out if t_.nbytes > 0), recompute)
 
 

@@ -252,7 +252,9 @@ def _within_host_budget(candidates: list[Candidate], host_budget_bytes: int | No
 
 
 def _place(ctx: _Context, chosen: list[Candidate], allow_recompute: bool) -> list[Planned]:
-    """Trigger points from each layer's spare copy time (see the module docstring)."""
+    """Trigger points from each layer's spare copy time (see the module docstring). ``chosen`` is put in
+    save order, the order the executor issues the copies in (the simulator's links are FIFO)."""
+    chosen.sort(key=lambda c: (c.save_op_index, c.storage_id))
     s, groups, group_of, times = ctx.settings, ctx.groups, ctx.group_of, ctx.group_times_s
     spare_out = list(times)
     spare_in = list(times)

@@ -1,0 +1,83 @@
+"""``chameleon-plan`` as a user runs it: the table, the JSON, the comparison, clear errors; the reproduction."""
+
+import json
+
+import pytest
+
+from chameleon_dist.cli import plan
+from chameleon_dist.planner import reproduce
+
+
+def test_text_report_has_the_best_plan_the_comparison_and_the_reasons(capsys):
+    assert plan.main(["--devices", "8", "--seq", "8192", "--global-batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "llama2-7b (6.74 B parameters) on 8 x ascend-910b" in out
+    assert "best plan: " in out and "time (s): compute" in out
+    for label in ("best with Chameleon swap", "best with recomputation", "best with TP/PP alone"):
+        assert label in out
+    assert "why not the best" in out and "out of memory: stage 0 needs" in out and "% slower: " in out
+
+
+def test_json_output_is_consistent(capsys):
+    assert plan.main(["--devices", "8", "--seq", "8192", "--global-batch", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"] == 8 and data["model"]["name"] == "llama2-7b" and data["hardware"]["name"] == "ascend-910b"
+    best = data["best"]
+    assert best["status"] == "feasible" and best["peak_bytes"] <= best["usable_bytes"]
+    layout = best["layout"]
+    assert layout["tp"] * layout["pp"] * layout["dp"] == 8
+    feasible = [a for a in data["alternatives"] if a["status"] == "feasible"]
+    assert best["iteration_s"] == min(a["iteration_s"] for a in feasible)
+    c = data["comparison"]
+    assert c["speedup_vs_recompute"] == pytest.approx(c["recompute"]["iteration_s"] / c["swap"]["iteration_s"] - 1)
+    assert c["swap"]["layout"]["recompute"] == "none"
+
+
+def test_json_to_a_file_and_restricted_search(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = plan.main(["--model", "llama2-13b", "--devices", "16", "--tp", "2,4", "--recompute", "none,full",
+                      "--no-swap", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    layouts = [a["layout"] for a in data["alternatives"]]
+    assert layouts and all(l["tp"] in (2, 4) and l["recompute"] in ("none", "full") and not l["swap"] for l in layouts)
+    assert "best plan:" in capsys.readouterr().out
+
+
+def test_nothing_fits_says_what_and_what_to_change(capsys):
+    assert plan.main(["--model", "llama2-70b", "--devices", "2", "--global-batch", "8"]) == 3
+    out = capsys.readouterr().out
+    assert "NO PLAN FITS" in out and "the model state alone does not fit" in out and "--devices" in out
+
+
+def test_user_errors_name_the_option(capsys):
+    assert plan.main(["--model", "llama-7b"]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert plan.main(["--devices", "3", "--global-batch", "4"]) == 2
+    assert "--devices" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan.main(["--tp", "two"])
+    assert "comma-separated" in capsys.readouterr().err
+
+
+def test_list_shows_the_shipped_profiles(capsys):
+    assert plan.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "llama2-70b" in out and "mixtral-8x7b" in out and "h200-141gb" in out
+
+
+def test_reproduction_table_shows_predictions_next_to_the_published_figures():
+    scenario = reproduce.Scenario("llama2-7b", "ascend-910b", 8, 8192, 64)
+    result = reproduce.run_scenario(scenario)
+    text = reproduce.markdown([result])
+    c = result.result.comparison()
+    predicted = c["recompute"].iteration_s / c["swap"].iteration_s - 1
+    assert f"{predicted * 100:+.1f}%" in text and "up to +38.94%" in text
+    names = [f.name for f in result.fixed]
+    assert names == ["TP8 -> TP1 with swap", "full recomputation -> swap, same layout",
+                     "best with full recomputation -> best with swap"]
+    tp8, same, full = result.fixed
+    assert tp8.baseline.layout.tp == 8 and tp8.chameleon.layout.tp == 1
+    assert same.baseline.layout.recompute == "full" and same.baseline.layout.tp == same.chameleon.layout.tp
+    assert full.speedup == pytest.approx(full.baseline.iteration_s / full.chameleon.iteration_s - 1)
+    assert "+25.0% (SmartSwap)" in text and "+28.0% (SmartSwap)" in text
