@@ -415,3 +415,17 @@ def test_gpu_copies_overlap_with_compute(cuda_device):
 
     matmul_ms, copy_ms, both_ms = timed(matmuls), timed(swap_out), timed(both)
     assert both_ms < 0.9 * (matmul_ms + copy_ms), (matmul_ms, copy_ms, both_ms)
+
+
+def test_fake_release_completed_never_waits_and_drops_only_finished_sources(fake_cuda):
+    device = fake_cuda.make()
+    device._d2h_stream.held = True
+    storage = torch.zeros(100).untyped_storage()
+    alive = weakref.ref(storage)
+    device.copy_to_host(storage)
+    del storage
+    assert device.release_completed() == 0 and alive() is not None  # still copying: kept, no wait
+    assert fake_cuda.compute.waited == []
+    device._d2h_stream.finish()  # the copy lands
+    assert device.release_completed() == 400 and alive() is None
+    assert fake_cuda.compute.waited == [] and device.stall_s() == 0

@@ -96,6 +96,10 @@ class Device(Protocol):
         """Let go of every swapped-out source whose copy has completed (ordered after the copy)."""
         ...
 
+    def release_completed(self) -> int:
+        """Without waiting: let go of the swapped-out sources whose copies have already completed."""
+        ...
+
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
         """Install a callback tried before an out-of-memory error is raised (where supported)."""
         ...

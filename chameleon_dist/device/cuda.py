@@ -277,6 +277,18 @@ class CudaDevice:
             handle.source = None
         return released_bytes
 
+    def release_completed(self) -> int:
+        """The earliest safe release, without waiting: let go of the swap-out sources whose copy's
+        done-event has fired (the copies of one stream complete in issue order, so the scan stops at the
+        first unfinished one)."""
+        released_bytes = 0
+        while self._pending_d2h and self._pending_d2h[0].done():
+            handle = self._pending_d2h.popleft()
+            released_bytes += handle.nbytes
+            handle.guard = None
+            handle.source = None
+        return released_bytes
+
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
         """Tried before ``copy_to_device`` raises out-of-memory (other allocations cannot be hooked)."""
         self._pressure_handler = handler

@@ -123,6 +123,10 @@ class EmulatedDevice:
         """Sources are let go by the link's worker the moment their copy completes: nothing to do."""
         return 0
 
+    def release_completed(self) -> int:
+        """As ``release_pending``: the link's worker already let go of every completed source."""
+        return 0
+
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
         self.meter.pressure_handler = handler
 

@@ -166,6 +166,8 @@ class SwapExecutor:
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
         if self.observer is not None:
             self.observer.on_saved(tensor)
+        if self.matcher is not None:
+            self.device.release_completed()  # swap-outs whose copy landed give their device blocks back now
         ordinal, seen = self._ordinal_of(tensor.untyped_storage())
         entry = None
         if self._eligible(tensor):
