@@ -179,7 +179,7 @@ class Chameleon:
                 if self.last_report is not None and self.last_report.iteration == trace.iteration:
                     # compute time only: the profiled iteration's stalls were the swap-all executor's waits
                     trace = dataclasses.replace(
-                        trace, iteration_s=max(trace.iteration_s - self.last_report.stall_s, trace.iteration_s / 2)
+                        trace, iteration_s=max(trace.iteration_s - self.last_report.stall_s, trace.iteration_s / 20)
                     )
                 self.trials.generate(trace, self._policy_settings())
             return self.trials.trial_policy()

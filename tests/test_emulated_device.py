@@ -66,6 +66,23 @@ def test_instant_link_and_source_released_when_copy_completes():
     assert torch.equal(device.wait(back).view(torch.float32), torch.arange(1000, dtype=torch.float32))
 
 
+def test_a_restored_buffer_is_freed_when_its_user_drops_it_over_a_timed_link():
+    """The link must not keep the newest copy's destination (a restored device buffer) alive: it would be
+    counted as device memory until the next copy, in the next iteration's peak."""
+    device = EmulatedDevice(capacity_bytes=10**9, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    tensor = _device_storage(device, 1000)
+    handle = device.copy_to_host(tensor.untyped_storage())
+    del tensor
+    host = device.wait(handle)
+    back = device.copy_to_device(host)
+    restored = device.wait(back)
+    assert device.live_bytes() == 4000
+    del back, restored
+    gc.collect()
+    assert device.live_bytes() == 0
+    device.synchronize()  # draining still works without the handle
+
+
 def test_swap_in_beyond_capacity_raises_out_of_memory():
     device = EmulatedDevice(capacity_bytes=6000)
     tensor = _device_storage(device, 1000)

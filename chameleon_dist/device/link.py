@@ -63,7 +63,9 @@ class EmulatedLink:
         self.bytes_per_s = bytes_per_s
         self.stats = LinkStats()
         self._queue: queue.SimpleQueue[EmulatedCopyHandle | None] = queue.SimpleQueue()
-        self._last: EmulatedCopyHandle | None = None
+        # only the completion flag of the newest copy: holding the handle would keep its destination (a
+        # restored device buffer) alive, and metered, until the next copy
+        self._last_done: threading.Event | None = None
         worker = threading.Thread(
             target=_serve, args=(self._queue, bytes_per_s, self.stats, name), name=f"chameleon-{name}", daemon=True
         )
@@ -77,15 +79,15 @@ class EmulatedLink:
         if self.bytes_per_s is None:  # an instant link: the copy is done by the time it is issued
             _complete(handle, self.stats, self.name)
             return handle
-        self._last = handle
+        self._last_done = handle._done
         self._queue.put(handle)
         return handle
 
     def drain(self) -> None:
         """Block until every copy queued so far has completed (copies complete in order)."""
-        last = self._last
-        if last is not None:
-            last._done.wait()
+        last_done = self._last_done
+        if last_done is not None:
+            last_done.wait()
 
 
 def _serve(jobs: queue.SimpleQueue, bytes_per_s: float | None, stats: LinkStats, name: str) -> None:

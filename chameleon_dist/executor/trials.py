@@ -14,8 +14,9 @@ from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-STRICTER_FACTOR = 0.9
-"""After a passive swap under a policy, the next policies aim at this fraction of the previous target."""
+STRICTER_SHARE = 0.1
+"""After a passive swap under a policy, the next policies aim this share of the needed reduction (no-swap
+peak - budget) further under the budget."""
 
 
 @dataclasses.dataclass
@@ -32,14 +33,16 @@ class PolicyTrials:
         self.results: list[TrialResult] = []
         self.current: Policy | None = None  # the policy Stable applies
         self.version = 0
-        self.budget_fraction = 1.0
+        self.reserve_bytes = 0  # how far under the budget the next policies aim
+        self._needed_bytes = 0  # no-swap peak - budget of the latest trace
         self.generation_s = 0.0
         self.regenerate = False
 
     def generate(self, trace: StepTrace, settings: PolicySettings) -> list[Policy]:
-        settings = dataclasses.replace(settings, budget_fraction=self.budget_fraction)
+        settings = dataclasses.replace(settings, reserve_bytes=self.reserve_bytes)
         start = time.perf_counter()
         result = generate_policies(trace, settings)
+        self._needed_bytes = max(0, result.no_swap_peak_bytes - settings.budget_bytes)
         self.generation_s = time.perf_counter() - start
         # a policy the simulator already says does not fit is not worth a trial: the swap-everything executor
         # (with passive swap behind it) is the safer bet then
@@ -73,10 +76,10 @@ class PolicyTrials:
         self.results.append(TrialResult(policy, iteration_s, peak_bytes, held))
         if peak_bytes > budget_bytes and peak_bytes > policy.predicted_peak_bytes:
             miss = peak_bytes - max(policy.predicted_peak_bytes, 1)
-            self.budget_fraction = max(0.05, self.budget_fraction - miss / budget_bytes)
+            self.reserve_bytes = min(budget_bytes, self.reserve_bytes + miss)
             self.regenerate = True
-            logger.info("policy %s peaked %s above its prediction: next policies aim at %.0f%% of the budget",
-                        policy.name, format_bytes(miss), self.budget_fraction * 100)
+            logger.info("policy %s peaked %s above its prediction: next policies aim %s under the budget",
+                        policy.name, format_bytes(miss), format_bytes(self.reserve_bytes))
 
     def choose(self) -> Policy | None:
         """The fastest policy that held (per policy: its best trial); None when none did."""
@@ -101,5 +104,5 @@ class PolicyTrials:
         return self.current
 
     def tighten(self) -> None:
-        self.budget_fraction *= STRICTER_FACTOR
-        logger.info("passive swap under a policy: the next policies aim at %.0f%% of the budget", self.budget_fraction * 100)
+        self.reserve_bytes += max(1, int(STRICTER_SHARE * self._needed_bytes))
+        logger.info("the policy did not hold: the next policies aim %s under the budget", format_bytes(self.reserve_bytes))

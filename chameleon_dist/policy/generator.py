@@ -33,6 +33,7 @@ from chameleon_dist.units import format_bytes
 logger = logging.getLogger(__name__)
 
 MAX_ROUNDS = 12
+ALL = -1.0  # the margin marking the "every candidate" variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,7 @@ class PolicySettings:
     trials: int = 5
     allow_recompute: bool = True
     ops_per_group: int = 64
-    budget_fraction: float = 1.0  # < 1 makes every trial stricter (after passive swaps)
+    reserve_bytes: int = 0  # aim this far under the budget (the runtime raises it after a policy missed)
     prefetch_slack: float = 1.5  # swap-ins start this many copy-times of compute before the use, when possible
 
     def __post_init__(self) -> None:
@@ -57,8 +58,8 @@ class PolicySettings:
             problems.append("device.d2h_bytes_per_s and device.h2d_bytes_per_s must be positive")
         if self.trials < 1:
             problems.append(f"profiler.policy_trials must be >= 1, got {self.trials}")
-        if not 0 < self.budget_fraction <= 1:
-            problems.append(f"budget_fraction must be in (0, 1], got {self.budget_fraction}")
+        if self.reserve_bytes < 0:
+            problems.append(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
         if self.host_budget_bytes is not None and self.host_budget_bytes < 0:
             problems.append("host_memory_budget must be >= 0")
         if problems:
@@ -111,22 +112,24 @@ def generate_policies(trace: StepTrace, settings: PolicySettings, op_times_s: li
                    find_candidates(trace, settings.min_swap_bytes))
     c = settings.score_c
     recompute = settings.allow_recompute
+    # (name, Eq. 2 size weight, margin, recompute): a margin aims that share of the needed reduction
+    # (no-swap peak - budget) further under the budget; "all" takes every candidate (the fallback)
     variants = [
-        ("balanced", c, 1.0, recompute),
-        ("margin5", c, 0.95, recompute),
-        ("coverage-first", c / 4, 1.0, recompute),
-        ("size-first", c * 4, 1.0, recompute),
-        ("swap-only-margin10" if recompute else "margin10", c, 0.90, False),
-        ("all", c, 0.0, False),  # every candidate, placed: the most a swap can do (the fallback)
+        ("balanced", c, 0.0, recompute),
+        ("margin5", c, 0.05, recompute),
+        ("coverage-first", c / 4, 0.0, recompute),
+        ("size-first", c * 4, 0.0, recompute),
+        ("swap-only-margin10" if recompute else "margin10", c, 0.10, False),
+        ("all", c, ALL, False),
     ]
     policies: list[Policy] = []
     seen: set[tuple] = set()
-    for name, weight, fraction, allow in variants:
+    for name, weight, margin, allow in variants:
         if len(policies) >= settings.trials and name != "all":
             continue
         if name == "all" and policies and all(p.feasible for p in policies) and len(policies) >= settings.trials:
             break  # the fallback is only added when some trial does not fit
-        policy = _generate(ctx, name, weight, fraction, allow)
+        policy = _generate(ctx, name, weight, margin, allow)
         key = tuple((e.save_ordinal, e.decision, e.swap_out_at, e.swap_in_at) for e in policy.entries)
         if key in seen:
             continue
@@ -137,14 +140,15 @@ def generate_policies(trace: StepTrace, settings: PolicySettings, op_times_s: li
     return PolicySet(policies, no_swap_peak, settings.budget_bytes)
 
 
-def _generate(ctx: _Context, name: str, size_weight: float, fraction: float, allow_recompute: bool) -> Policy:
+def _generate(ctx: _Context, name: str, size_weight: float, margin: float, allow_recompute: bool) -> Policy:
     s = ctx.settings
-    if fraction == 0.0:
+    if margin == ALL:
         chosen = _within_host_budget(ctx.candidates, s.host_budget_bytes, len(ctx.base_curve))
         planned = _place(ctx, chosen, allow_recompute)
         sim = simulate(ctx.base_curve, ctx.op_times_s, planned, s.d2h_bytes_per_s, s.h2d_bytes_per_s)
-        return _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planned, sim, 0)
-    target = int(s.budget_bytes * s.budget_fraction * fraction)
+        return _to_policy(ctx, name, size_weight, margin, allow_recompute, chosen, planned, sim, 0)
+    needed = max(0, max(ctx.base_curve, default=0) - s.budget_bytes)
+    target = int(s.budget_bytes - s.reserve_bytes - margin * needed)
     base = np.asarray(ctx.base_curve, dtype=np.int64)
     excess = base - target
     chosen: list[Candidate] = []
@@ -202,7 +206,7 @@ def _generate(ctx: _Context, name: str, size_weight: float, fraction: float, all
         best = (0, [], [], simulate(ctx.base_curve, ctx.op_times_s, [], s.d2h_bytes_per_s, s.h2d_bytes_per_s))
     _, chosen, planned, sim = best
     planned, sim = _delay_prefetches(ctx, planned, sim, target)
-    return _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planned, sim, host_kept)
+    return _to_policy(ctx, name, size_weight, margin, allow_recompute, chosen, planned, sim, host_kept)
 
 
 def _delay_prefetches(ctx: _Context, planned: list[Planned], sim: SimResult, target: int) -> tuple[list[Planned], SimResult]:
@@ -305,7 +309,7 @@ def _place(ctx: _Context, chosen: list[Candidate], allow_recompute: bool) -> lis
     return [planned[c.storage_id] for c in chosen]
 
 
-def _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planned, sim: SimResult, host_kept) -> Policy:
+def _to_policy(ctx, name, size_weight, margin, allow_recompute, chosen, planned, sim: SimResult, host_kept) -> Policy:
     trace, s = ctx.trace, ctx.settings
     ordinal: dict[int, int] = {}
     keys: list[str] = []
@@ -379,7 +383,7 @@ def _to_policy(ctx, name, size_weight, fraction, allow_recompute, chosen, planne
         predicted_recompute_s=sim.recompute_s, predicted_iteration_s=sim.iteration_s, compute_s=sim.compute_s,
         entries=entries, layers=[loads[k] for k in sorted(loads)], num_ops=len(trace.ops),
         trace_iteration=trace.iteration,
-        settings={"score_c": size_weight, "target_fraction": fraction * s.budget_fraction,
+        settings={"score_c": size_weight, "margin": margin, "reserve_bytes": s.reserve_bytes,
                   "allow_recompute": allow_recompute, "min_swap_bytes": s.min_swap_bytes,
                   "d2h_bytes_per_s": s.d2h_bytes_per_s, "h2d_bytes_per_s": s.h2d_bytes_per_s},
         save_keys=keys, host_kept_bytes=host_kept, reason=reason, emulated=trace.emulated,
