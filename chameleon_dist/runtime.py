@@ -84,6 +84,8 @@ class Chameleon:
         self.trials = PolicyTrials()
         self._need_policies = False
         self._pressure_waits = 0
+        self._trace_stall_s: dict[int, float] = {}
+        self._swap_all_peak_bytes = 0  # peak of the latest WarmUp (swap-everything) iteration
         self.applied_policy: Policy | None = None
         self.device.set_pressure_handler(self._on_memory_pressure if self.config.enabled else None)
         logger.info(
@@ -146,22 +148,25 @@ class Chameleon:
             self.executor.op_clock = lambda: -1
         self._iteration += 1
         iteration_s = time.perf_counter() - start_s
+        peak = self.device.peak_bytes()
+        # what a policy must stay under: the budget, or, where no swap can meet it (a peak in the optimizer
+        # step, a link too slow), the peak of the swap-everything executor it replaces
+        allowed = max(self.memory_budget_bytes, self._swap_all_peak_bytes)
         if stage == GEN_POLICY and self.applied_policy is not None:
-            # held: no passive swap, no retry, and within the budget, or no higher than the policy predicted
-            # when a peak no swap can lower (the optimizer step, say) is above it
-            peak = self.device.peak_bytes()
-            within = peak <= max(self.memory_budget_bytes, self.applied_policy.predicted_peak_bytes)
-            held = within and not self._passive_swaps and not self._oom_retries
-            self.trials.record(self.applied_policy, iteration_s, peak, held, self.memory_budget_bytes)
+            held = peak <= allowed and not self._passive_swaps and not self._oom_retries
+            stall_s = self.device.stall_s() - stall_start_s
+            self.trials.record(self.applied_policy, iteration_s, peak, held, self.memory_budget_bytes, stall_s)
         over_budget = ""
-        if stage == STABLE and self.applied_policy is not None:
-            peak = self.device.peak_bytes()
-            if peak > max(self.memory_budget_bytes, self.applied_policy.predicted_peak_bytes):
-                over_budget = (f"peak {format_bytes(peak)} above memory_budget {format_bytes(self.memory_budget_bytes)} "
-                               f"under policy {self.applied_policy.name}")
+        if stage == STABLE and self.applied_policy is not None and peak > allowed:
+            over_budget = (f"peak {format_bytes(peak)} above memory_budget {format_bytes(self.memory_budget_bytes)} "
+                           f"under policy {self.applied_policy.name}")
+        if stage == WARMUP and self.applied_policy is None and not self._oom_retries:
+            self._swap_all_peak_bytes = peak
         profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps, over_budget)
         self._follow(profile, stage)
         self.last_report = self._report(counters, profile, iteration_s, stall_start_s)
+        if profile.trace is not None:  # the stall of the iteration a policy will be built from
+            self._trace_stall_s = {profile.trace.iteration: self.last_report.stall_s}
         logger.debug("%s", self.last_report)
 
     # ---- policies ---------------------------------------------------------------------------
@@ -176,11 +181,15 @@ class Chameleon:
                 trace = self.profiler.last_trace
                 if trace is None:
                     return None
-                if self.last_report is not None and self.last_report.iteration == trace.iteration:
-                    # compute time only: the profiled iteration's stalls were the swap-all executor's waits
-                    trace = dataclasses.replace(
-                        trace, iteration_s=max(trace.iteration_s - self.last_report.stall_s, trace.iteration_s / 20)
-                    )
+                # compute time only: the profiled iteration's stalls were the swap-all executor's waits
+                compute_s = max(trace.iteration_s - self._trace_stall_s.get(trace.iteration, 0.0), trace.iteration_s / 20)
+                # every time in the trace shrinks alike: measured layer times included (they carry the
+                # detailed recorder's cost and the forward pass's share of the stalls too)
+                scale = compute_s * self.trials.time_scale / max(trace.iteration_s, 1e-12)
+                trace = dataclasses.replace(
+                    trace, iteration_s=trace.iteration_s * scale,
+                    layer_times_s={layer: t * scale for layer, t in trace.layer_times_s.items()},
+                )
                 self.trials.generate(trace, self._policy_settings())
             return self.trials.trial_policy()
         if stage == STABLE:
@@ -214,12 +223,13 @@ class Chameleon:
         elif transition.after == STABLE:
             self.trials.choose()
         elif transition.after == WARMUP and (self._passive_swaps or "memory_budget" in transition.reason) and stage != WARMUP:
-            self.trials.tighten()
+            self.trials.tighten(self.applied_policy)
 
     def run_iteration(self, closure: Callable[[], T], optimizer: torch.optim.Optimizer | None = None) -> T:
         """Run ``closure`` (forward and backward of every micro-batch) inside ``iteration()``, then
         ``optimizer.step()`` when given. On an out-of-memory error in the closure, gradients are cleared,
-        the CPU random state is restored (the retry draws the same dropout masks), swapping is tightened and the closure runs again (up to ``executor.max_oom_retries`` times), so
+        the CPU random state is restored (the retry draws the same dropout masks), swapping is
+        tightened and the closure runs again (up to ``executor.max_oom_retries`` times), so
         the step is never lost and the optimizer never sees a half-accumulated gradient. Keep the
         optimizer step out of the closure: a step that already changed parameters cannot be re-run."""
         with self.iteration():
@@ -276,7 +286,7 @@ class Chameleon:
         gc.collect()  # the failed attempt's graph and its swapped entries go now
         if self.executor.matcher is not None:  # the policy did not hold: the retry swaps every eligible tensor
             self.executor.use_policy(None)
-            self.trials.tighten()
+            self.trials.tighten(self.applied_policy)
             logger.warning("out of memory under policy %s (%s); retrying the iteration swapping every eligible "
                            "tensor", self.applied_policy.name if self.applied_policy else "?", reason.splitlines()[0])
             return

@@ -372,8 +372,8 @@ def _to_policy(ctx, name, size_weight, margin, allow_recompute, chosen, planned,
         reason = (
             f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)} at op {sim.peak_op} "
             f"({trace.op_names[op.name_id]}, {op.phase}): swapping could reach {format_bytes(_swap_floor(ctx))} "
-            f"with instant copies, but the host link ({s.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
-            f"{s.h2d_bytes_per_s / 1e9:.1f} GB/s in) cannot move enough in time"
+            f"with instant copies, but the host link ({s.d2h_bytes_per_s / 1e9:.3g} GB/s out, "
+            f"{s.h2d_bytes_per_s / 1e9:.3g} GB/s in) cannot move enough in time"
             + (f" and host_memory_budget kept {format_bytes(host_kept)} on the device" if host_kept else "")
             + "; raise memory_budget, shrink the micro-batch or add recomputation"
         )

@@ -1,0 +1,611 @@
+"""Hidden transfers (issue 5): iteration time and stall with Chameleon against an unconstrained run on the
+same emulated device, with the host link emulated at an accelerator preset; the same ratios for the
+baseline executor (swap every eligible tensor, bring it back on demand) and for PyTorch's ``save_on_cpu``.
+
+Every variant trains its own copy of one plain-PyTorch GPT (identical initialisation, the same batches,
+plain SGD) on its own ``EmulatedDevice`` whose link is calibrated to ``--preset`` with one CPU matmul
+measurement shared by all devices:
+
+1. unconstrained: ``enabled: false`` (metering and the cheap signature only, nothing swapped), capacity
+   unbounded: the reference time.
+2. chameleon: capacity = the unswapped peak minus ``--hide-share`` of the bytes the link moves in one
+   measured forward pass (or ``--capacity-fraction`` x the peak): swapping is needed, and what must leave
+   the device fits in the link's time. WarmUp + GenPolicy trials run in the untimed rounds (more rounds
+   while the runtime is not in Stable, up to twice as many), then the timed rounds follow.
+3. baseline: the same capacity, ``profiler.warmup_iterations: 0`` (no trace, hence no policy: every saved
+   tensor >= ``min_swap_bytes`` leaves the device and comes back on demand with a look-ahead of
+   ``executor.prefetch_depth``). ``warmup_iterations`` huge would keep it too, but then every iteration
+   records a detailed trace, whose cost is not the executor's; see ``--baseline-profiled``.
+4. save_on_cpu semantics emulated (synchronous copies, no prefetch): ``torch.autograd.graph.save_on_cpu``
+   is a no-op for CPU tensors, so a ``saved_tensors_hooks`` pair does what it does on a GPU: every saved
+   activation goes to the host when autograd saves it and comes back when backward unpacks it, each copy
+   waited for at once over the emulated link. Capacity unbounded (it cannot choose what to keep); no
+   runtime, only ``device.active()`` metering. Two simplifications, both in its favour: views that share a
+   storage share one copy (PyTorch copies every saved tensor on its own), and parameters saved by matmuls
+   stay (PyTorch copies them too).
+
+Gradients stay allocated between steps (``zero_grad(set_to_none=False)``, like a framework's gradient
+buffer), so the peak is where activations are live, not where fresh gradients pile up at the end of
+backward. One torch thread by default: on a shared 2-core machine two threads stall each other.
+
+Iterations are interleaved in rounds (Williams-balanced orders). Per variant: median iteration time, the
+median over rounds of its time over the unconstrained time of the same round, stall as a share of the
+unconstrained time, bytes swapped out per iteration, peak device memory. Losses of every step and the final
+parameters are compared with ``torch.equal`` to the unconstrained run's.
+
+    .venv/bin/python launch/bench_executor.py --json runs/bench_executor.json   # ~3 min on 2 cores
+    .venv/bin/python launch/bench_executor.py --small                           # seconds (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from chameleon_dist import Chameleon
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device.meter import storage_key
+from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
+
+MIB = 2**20
+VARIANTS = ("unconstrained", "chameleon", "baseline", "save_on_cpu")
+WILLIAMS_4 = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))  # each variant before each other once
+SAVE_ON_CPU_LABEL = "save_on_cpu semantics emulated (synchronous copies, no prefetch)"
+
+
+# ---- model --------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Pre-norm GPT; layers at ``layers.<i>`` (the policy generator's logical layers follow them)."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def make_model(args: argparse.Namespace) -> GPT:
+    torch.manual_seed(args.seed)
+    return GPT(args.vocab, args.hidden, args.heads, args.layers)
+
+
+def host_batch(args: argparse.Namespace, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(args.seed * 100_003 + step)
+    return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+
+
+# ---- save_on_cpu on the emulated device -------------------------------------------------------------
+class _HostCopy:
+    """One storage on the host; after its first unpack, its bytes on the device again (shared by views)."""
+
+    __slots__ = ("host", "nbytes", "version", "device_bytes", "_pool", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, version: int, pool) -> None:
+        self.host: torch.Tensor | None = host
+        self.nbytes = host.numel()
+        self.version = version
+        self.device_bytes: torch.Tensor | None = None
+        self._pool = pool
+
+    def __del__(self) -> None:
+        if self.host is not None:
+            self._pool.release(self.host)
+
+
+class SaveOnCpuEmulation:
+    """``save_on_cpu`` on an ``EmulatedDevice``: pack copies the saved activation's storage to the host and
+    waits for it; unpack copies it back and waits, then rebuilds the exact view (``set_``), like the
+    executor's records. Parameters and non-device tensors are saved as they are."""
+
+    def __init__(self, device: EmulatedDevice, model: nn.Module) -> None:
+        self.device = device
+        self.parameter_keys = {storage_key(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+        self.swap_out_bytes = 0
+        self.swap_in_bytes = 0
+        self._copies: dict[int, tuple[weakref.ReferenceType, _HostCopy]] = {}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self.swap_out_bytes = self.swap_in_bytes = 0
+        self._copies.clear()
+        try:
+            with self.device.active(), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._copies.clear()
+
+    def _pack(self, tensor: torch.Tensor):
+        if (type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.requires_grad and tensor.is_leaf
+                or not self.device.is_device_tensor(tensor)):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage_key(storage)
+        if key in self.parameter_keys:
+            return tensor
+        known = self._copies.get(key)
+        copy = known[1] if known is not None and known[0]() is storage else None
+        if copy is None or copy.version != tensor._version:
+            handle = self.device.copy_to_host(storage)
+            if handle is None:  # host budget full: stays on the device
+                return tensor
+            copy = _HostCopy(self.device.wait(handle), tensor._version, self.device.host_pool)
+            self._copies[key] = (weakref.ref(storage), copy)
+            self.swap_out_bytes += copy.nbytes
+        return (copy, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        copy, dtype, size, stride, offset = packed
+        if copy.device_bytes is None:
+            copy.device_bytes = self.device.wait(self.device.copy_to_device(copy.host))
+            self.device.release_host(copy.host)
+            copy.host = None
+            self.swap_in_bytes += copy.nbytes
+        return torch.empty(0, dtype=dtype).set_(copy.device_bytes.untyped_storage(), offset, size, stride)
+
+
+# ---- variants -----------------------------------------------------------------------------------
+class Variant:
+    """One model, optimizer and device; ``step`` trains on the given batch and returns the step's record."""
+
+    def __init__(self, name: str, args: argparse.Namespace, device: EmulatedDevice, config: dict | None) -> None:
+        self.name = name
+        self.device = device
+        self.model = make_model(args)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr)
+        self.chameleon: Chameleon | None = None
+        self.emulation: SaveOnCpuEmulation | None = None
+        if config is not None:
+            self.chameleon = Chameleon(config, device=device)
+            self.chameleon.attach(self.model)
+        else:
+            device.track_module(self.model)
+            self.emulation = SaveOnCpuEmulation(device, self.model)
+        self.losses: list[torch.Tensor] = []
+        self.records: list[dict] = []
+
+    def _closure(self, batch: torch.Tensor) -> Callable[[], torch.Tensor]:
+        def closure() -> torch.Tensor:
+            data = batch.clone()  # the batch arrives on the device inside the iteration (metered)
+            logits = self.model(data[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
+            loss.backward()
+            return loss.detach()
+
+        return closure
+
+    def step(self, batch: torch.Tensor) -> dict:
+        gc.collect()
+        closure = self._closure(batch)
+        if self.chameleon is not None:
+            loss = self.chameleon.run_iteration(closure, optimizer=self.optimizer)
+            r = self.chameleon.last_report
+            record = {"iteration_s": r.iteration_s, "stall_s": r.stall_s, "peak_bytes": r.peak_device_bytes,
+                      "swap_out_bytes": r.swap_out_bytes, "swap_in_bytes": r.swap_in_bytes, "stage": r.stage,
+                      "policy": r.policy, "passive_swaps": r.passive_swaps, "oom_retries": r.oom_retries,
+                      "on_demand_fetches": r.on_demand_fetches, "pressure_waits": r.pressure_waits,
+                      "unmatched": r.unmatched, "stage_transition": r.stage_transition}
+        else:
+            device = self.device
+            stall_start_s = device.stall_s()
+            device.reset_peak()
+            start_s = time.perf_counter()
+            with self.emulation.active():
+                loss = closure()
+                self.optimizer.step()
+            record = {"iteration_s": time.perf_counter() - start_s, "stall_s": device.stall_s() - stall_start_s,
+                      "peak_bytes": device.peak_bytes(), "swap_out_bytes": self.emulation.swap_out_bytes,
+                      "swap_in_bytes": self.emulation.swap_in_bytes, "stage": "", "policy": "", "passive_swaps": 0,
+                      "oom_retries": 0, "on_demand_fetches": 0, "pressure_waits": 0, "unmatched": 0,
+                      "stage_transition": None}
+        self.optimizer.zero_grad(set_to_none=False)  # gradients stay in place, like a framework grad buffer
+        self.losses.append(loss.clone())  # a copy made outside the iteration: not device memory
+        self.records.append(record)
+        return record
+
+
+def measure_unswapped(args: argparse.Namespace) -> dict:
+    """Peak device bytes without swapping (enabled: false, unbounded), the forward and iteration times (after
+    the WarmUp iterations, whose detailed trace costs time) and the sizes of the saved activation storages."""
+    device = EmulatedDevice(UNBOUNDED_CAPACITY_BYTES)
+    chameleon = Chameleon({"enabled": False}, device=device)
+    model = chameleon.attach(make_model(args))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    warmup = chameleon.config.profiler.warmup_iterations
+    parameter_keys = {storage_key(p.untyped_storage()) for p in model.parameters()}
+    peaks, forward_s, iteration_s = [], [], []
+    saved: dict[int, int] = {}
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage_key(storage) not in parameter_keys and device.is_device_tensor(tensor):
+            saved[storage_key(storage)] = storage.nbytes()
+        return tensor
+
+    for step in range(warmup + 2):
+        batch = host_batch(args, step)
+
+        def closure() -> torch.Tensor:
+            start_s = time.perf_counter()
+            data = batch.clone()
+            saved.clear()
+            with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+                loss = F.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
+            forward_s.append(time.perf_counter() - start_s)
+            loss.backward()
+            return loss.detach()
+
+        gc.collect()
+        chameleon.run_iteration(closure, optimizer=optimizer)
+        optimizer.zero_grad(set_to_none=False)  # gradients stay in place, like a framework grad buffer
+        peaks.append(chameleon.last_report.peak_device_bytes)
+        iteration_s.append(chameleon.last_report.iteration_s)
+    return {"peak_bytes": max(peaks[1:]), "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "forward_s": statistics.median(forward_s[warmup:]), "iteration_s": statistics.median(iteration_s[warmup:]),
+            "saved_storage_bytes": sorted(saved.values(), reverse=True)}
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int) -> dict:
+    reference = variants["unconstrained"]
+    ref_times = [reference.records[i]["iteration_s"] for i in timed]
+    ref_losses, ref_params = reference.losses, [p.detach() for p in reference.model.parameters()]
+    out = {}
+    for name, v in variants.items():
+        rows = [v.records[i] for i in timed]
+        times = [r["iteration_s"] for r in rows]
+        ratios = [t / u for t, u in zip(times, ref_times)]
+        stall_shares = [r["stall_s"] / u for r, u in zip(rows, ref_times)]
+        losses_equal = sum(torch.equal(a, b) for a, b in zip(v.losses, ref_losses))
+        params_equal = sum(torch.equal(a, b.detach()) for a, b in zip(ref_params, v.model.parameters()))
+        stages = [r["stage"] for r in rows]
+        out[name] = {
+            "median_iteration_s": statistics.median(times),
+            "min_iteration_s": min(times),
+            "max_iteration_s": max(times),
+            "ratio": statistics.median(ratios),  # paired per round, median over rounds
+            "ratio_of_medians": statistics.median(times) / statistics.median(ref_times),
+            "ratio_iqr": _quartiles(ratios),
+            "median_stall_s": statistics.median(r["stall_s"] for r in rows),
+            "stall_share": statistics.median(stall_shares),  # stall / unconstrained time of the same round
+            "swap_out_mib": statistics.median(r["swap_out_bytes"] for r in rows) / MIB,
+            "swap_in_mib": statistics.median(r["swap_in_bytes"] for r in rows) / MIB,
+            "peak_mib": max(r["peak_bytes"] for r in rows) / MIB,
+            "capacity_mib": None if name in ("unconstrained", "save_on_cpu") else capacity_bytes / MIB,
+            "stages": {s: stages.count(s) for s in sorted(set(stages)) if s},
+            "policies": sorted({r["policy"] for r in rows if r["policy"]}),
+            "passive_swaps": sum(r["passive_swaps"] for r in rows),
+            "oom_retries": sum(r["oom_retries"] for r in rows),
+            "on_demand_fetches": statistics.median(r["on_demand_fetches"] for r in rows),
+            "pressure_waits": sum(r["pressure_waits"] for r in rows),
+            "unmatched": max(r["unmatched"] for r in rows),
+            "transitions": [(i, rec["stage_transition"]) for i, rec in enumerate(v.records) if rec["stage_transition"]],
+            "losses_equal": losses_equal,
+            "losses_compared": len(ref_losses),
+            "parameters_equal": params_equal,
+            "parameters_compared": len(ref_params),
+            "bit_identical": losses_equal == len(ref_losses) == len(v.losses) and params_equal == len(ref_params),
+            "iteration_s": times,
+            "stall_s": [r["stall_s"] for r in rows],
+        }
+        stable = [i for i, r in enumerate(rows) if r["stage"] == "stable"]
+        if name == "chameleon":  # the same figures over the rounds it ran in Stable only
+            out[name]["stable_rounds"] = len(stable)
+            out[name]["ratio_stable"] = statistics.median(ratios[i] for i in stable) if stable else None
+            out[name]["stall_share_stable"] = statistics.median(stall_shares[i] for i in stable) if stable else None
+    return out
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
+
+
+# ---- run ----------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict:
+    flops = measure_matmul_flop_per_s()
+    calibration = calibrate(args.preset, flops)
+    unswapped = measure_unswapped(args)
+    link_in_forward_bytes = calibration.d2h_bytes_per_s * unswapped["forward_s"]
+    if args.capacity_fraction is not None:
+        capacity_bytes = int(args.capacity_fraction * unswapped["peak_bytes"])
+    else:  # take off the peak a share of what the link can move while the forward pass computes
+        capacity_bytes = int(unswapped["peak_bytes"] - args.hide_share * link_in_forward_bytes)
+
+    def device(capacity: int) -> EmulatedDevice:
+        return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
+
+    common = {"min_swap_bytes": args.min_swap_bytes, "memory_budget": 1.0,
+              "executor": {"prefetch_depth": args.prefetch_depth}}
+    baseline_profiler = {"warmup_iterations": 10**6} if args.baseline_profiled else {"warmup_iterations": 0}
+    variants = {
+        "unconstrained": Variant("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
+        "chameleon": Variant("chameleon", args, device(capacity_bytes),
+                             {**common, "profiler": {"policy_trials": args.policy_trials}}),
+        "baseline": Variant("baseline", args, device(capacity_bytes), {**common, "profiler": baseline_profiler}),
+        "save_on_cpu": Variant("save_on_cpu", args, device(UNBOUNDED_CAPACITY_BYTES), None),
+    }
+    cham = variants["chameleon"].chameleon
+    # untimed rounds: at least --warmup-rounds and all of chameleon's WarmUp + GenPolicy iterations; then more
+    # (up to as many again) while chameleon is not yet in Stable (a trial's passive swap restarts WarmUp)
+    warm_rounds = max(args.warmup_rounds, cham.config.profiler.warmup_iterations + args.policy_trials)
+    order_log = []
+
+    def play(r: int) -> None:
+        batch = host_batch(args, r)
+        order = [VARIANTS[i] for i in WILLIAMS_4[r % 4]]
+        order_log.append(order)
+        for name in order:
+            variants[name].step(batch)
+        if args.verbose:
+            print(f"round {r:3d} " + " ".join(f"{n} {variants[n].records[-1]['iteration_s']:.3f}" for n in VARIANTS)
+                  + f" | chameleon {variants['chameleon'].records[-1]['stage']}", flush=True)
+
+    start_s = time.perf_counter()
+    for r in range(warm_rounds):
+        play(r)
+    planned_warm_rounds = warm_rounds
+    while cham.stage != "stable" and warm_rounds < 2 * planned_warm_rounds:
+        play(warm_rounds)
+        warm_rounds += 1
+    ready_stage = cham.stage
+    rounds = warm_rounds + args.rounds
+    for r in range(warm_rounds, rounds):
+        play(r)
+    rounds_s = time.perf_counter() - start_s
+    timed = range(warm_rounds, rounds)
+    summary = summarize(variants, timed, capacity_bytes)
+    trials = [{"policy": t.policy.name, "iteration_s": t.iteration_s, "peak_mib": t.peak_bytes / MIB, "held": t.held}
+              for t in cham.trials.results]
+    chosen = cham.trials.current
+    c = summary["chameleon"]
+    checks = {
+        "chameleon_stable_throughout": c["stages"] == {"stable": len(timed)} and bool(c["policies"])
+        and c["passive_swaps"] == 0 and c["oom_retries"] == 0,
+        "stage_when_timing_began": ready_stage,
+        "chameleon_ratio_at_most_1.05": c["ratio"] <= 1.05,
+        "chameleon_stall_at_most_2pct": c["stall_share"] <= 0.02,
+        "chameleon_peak_within_capacity": c["peak_mib"] * MIB <= capacity_bytes,
+        "all_bit_identical": all(summary[n]["bit_identical"] for n in VARIANTS),
+    }
+    link_bytes_per_s = calibration.h2d_bytes_per_s
+    return {
+        "calibration": {"preset": args.preset, "description": calibration.preset.description,
+                        "cpu_flop_per_s": flops, "h2d_bytes_per_s": calibration.h2d_bytes_per_s,
+                        "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
+                        "flop_per_link_byte": calibration.preset.h2d_flop_per_byte, "text": calibration.describe()},
+        "model": {"parameters": sum(p.numel() for p in variants["unconstrained"].model.parameters()),
+                  "parameter_bytes": unswapped["parameter_bytes"], "unswapped_peak_bytes": unswapped["peak_bytes"],
+                  "capacity_bytes": capacity_bytes, "capacity_fraction": capacity_bytes / unswapped["peak_bytes"],
+                  "capacity_rule": (f"--capacity-fraction {args.capacity_fraction}" if args.capacity_fraction is not None
+                                    else f"peak - {args.hide_share} x link bytes in one forward pass"),
+                  "forward_s": unswapped["forward_s"], "iteration_s": unswapped["iteration_s"],
+                  "reduction_needed_bytes": unswapped["peak_bytes"] - capacity_bytes,
+                  "link_bytes_in_forward": link_in_forward_bytes,
+                  "link_bytes_in_iteration": link_bytes_per_s * unswapped["iteration_s"],
+                  "saved_activation_bytes": sum(unswapped["saved_storage_bytes"]),
+                  "eligible_bytes": sum(b for b in unswapped["saved_storage_bytes"] if b >= args.min_swap_bytes),
+                  "eligible_storages": sum(b >= args.min_swap_bytes for b in unswapped["saved_storage_bytes"])},
+        "chameleon_policy": None if chosen is None else {
+            "name": chosen.name, "feasible": chosen.feasible, "predicted_peak_mib": chosen.predicted_peak_bytes / MIB,
+            "predicted_stall_s": chosen.predicted_stall_s, "predicted_iteration_s": chosen.predicted_iteration_s,
+            "swap_mib": chosen.saved_bytes("swap") / MIB, "swapped_storages": sum(e.decision == "swap" for e in chosen.entries),
+            "version": cham.trials.version},
+        "trials": trials,
+        "chameleon_rounds": [{"round": i, "stage": x["stage"], "policy": x["policy"], "iteration_s": x["iteration_s"],
+                              "stall_s": x["stall_s"], "peak_mib": x["peak_bytes"] / MIB,
+                              "swap_out_mib": x["swap_out_bytes"] / MIB, "passive_swaps": x["passive_swaps"],
+                              "oom_retries": x["oom_retries"], "on_demand_fetches": x["on_demand_fetches"]}
+                             for i, x in enumerate(variants["chameleon"].records)],
+        "min_swap_bytes_after": {n: variants[n].chameleon.executor.min_swap_bytes for n in ("chameleon", "baseline")},
+        "variants": summary,
+        "checks": checks,
+        "rounds": {"warmup": warm_rounds, "warmup_planned": planned_warm_rounds, "timed": args.rounds, "orders": order_log[:4], "wall_s": rounds_s},
+    }
+
+
+# ---- report -------------------------------------------------------------------------------------
+def print_report(r: dict) -> None:
+    m, cal, mod = r["machine"], r["calibration"], r["model"]
+    print(f"command: {r['command']}")
+    print(f"date: {r['date']}; {m['cpu']} ({m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}; "
+          f"load average {m['load_average_before']:.2f} before, {m['load_average_after']:.2f} after "
+          f"(other jobs share this machine)")
+    print(f"emulated (CPU), link = {cal['preset']} calibrated: {cal['h2d_bytes_per_s'] / 1e9:.4f} GB/s "
+          f"({cal['h2d_bytes_per_s'] / 1e6:.2f} MB/s each way; CPU matmul {cal['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s, "
+          f"{cal['flop_per_link_byte']:,.0f} FLOP per link byte as on {cal['description']})")
+    c = r["config"]
+    print(f"model: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, seq {c['seq']}, batch "
+          f"{c['batch']}, vocab {c['vocab']}, fp32, SGD; {mod['parameters'] / 1e6:.2f} M parameters "
+          f"({mod['parameter_bytes'] / MIB:.1f} MiB)")
+    print(f"unswapped peak {mod['unswapped_peak_bytes'] / MIB:.2f} MiB; capacity {mod['capacity_bytes'] / MIB:.2f} MiB "
+          f"({mod['capacity_fraction']:.2%}; {mod['capacity_rule']}): {mod['reduction_needed_bytes'] / MIB:.2f} MiB to take "
+          f"off the peak; the "
+          f"link moves {mod['link_bytes_in_forward'] / MIB:.2f} MiB in one forward pass ({mod['forward_s'] * 1e3:.0f} ms), "
+          f"{mod['link_bytes_in_iteration'] / MIB:.2f} MiB in one iteration ({mod['iteration_s'] * 1e3:.0f} ms)")
+    print(f"saved activations {mod['saved_activation_bytes'] / MIB:.2f} MiB per iteration, {mod['eligible_bytes'] / MIB:.2f} "
+          f"MiB in {mod['eligible_storages']} storages >= min_swap_bytes {c['min_swap_bytes'] / 1024:.0f} KiB; "
+          f"prefetch depth {c['prefetch_depth']}")
+    print(f"rounds: "
+          f"{r['rounds']['warmup']} untimed (planned {r['rounds']['warmup_planned']}; more while chameleon was not in "
+          f"Stable) + {r['rounds']['timed']} timed, Williams-balanced order; "
+          f"ratio = median over rounds of (variant / unconstrained, same round)")
+    print()
+    print(f"{'variant':<15}{'median s':>9}{'ratio':>7}{'IQR':>13}{'stall ms':>9}{'stall %':>8}{'out MiB/it':>11}"
+          f"{'peak MiB':>9}{'capacity':>9}{'bit-identical':>15}")
+    for name, v in r["variants"].items():
+        cap = "unbound" if v["capacity_mib"] is None else f"{v['capacity_mib']:.2f}"
+        iqr = f"{v['ratio_iqr'][0]:.2f}-{v['ratio_iqr'][1]:.2f}"
+        same = f"{'yes' if v['bit_identical'] else 'NO'} {v['losses_equal']}/{v['losses_compared']}"
+        print(f"{name:<15}{v['median_iteration_s']:>9.3f}{v['ratio']:>7.3f}{iqr:>13}{v['median_stall_s'] * 1e3:>9.1f}"
+              f"{v['stall_share']:>8.1%}{v['swap_out_mib']:>11.2f}{v['peak_mib']:>9.2f}{cap:>9}{same:>15}")
+    print(f"  save_on_cpu = {SAVE_ON_CPU_LABEL}; capacity unbounded, no runtime (no signature), views share one "
+          f"copy and parameters stay (both favour it)")
+    base = r["config"]["baseline_profiled"]
+    print(f"  baseline = swap every saved tensor >= min_swap_bytes, on-demand fetch + prefetch depth "
+          f"{c['prefetch_depth']} ({'WarmUp forever: a detailed trace every iteration' if base else 'warmup_iterations 0: no trace, no policy'})")
+    cv = r["variants"]["chameleon"]
+    pol = r["chameleon_policy"]
+    if pol:
+        print(f"chameleon: policy {pol['name']} (v{pol['version']}, feasible {pol['feasible']}): swaps "
+              f"{pol['swapped_storages']} storages, {pol['swap_mib']:.2f} MiB; predicted peak {pol['predicted_peak_mib']:.2f} "
+              f"MiB, stall {pol['predicted_stall_s'] * 1e3:.1f} ms; measured stages {cv['stages']}, passive swaps "
+              f"{cv['passive_swaps']}, OOM retries {cv['oom_retries']}, on-demand fetches/it {cv['on_demand_fetches']:.0f}, "
+              f"pressure waits {cv['pressure_waits']}, unmatched (max) {cv['unmatched']}")
+    else:
+        print(f"chameleon: NO policy chosen (stages {cv['stages']})")
+    warm = [x for x in r["chameleon_rounds"] if x["stage"] == "warmup"]
+    if warm:
+        share = sum(x["stall_s"] for x in warm) / sum(x["iteration_s"] for x in warm)
+        print(f"  WarmUp iterations (swap all, detailed trace): {len(warm)}, {share:.0%} of their time was stall; the "
+              f"trace's iteration time, which calibrates the policy's op times, includes it")
+    if cv.get("stable_rounds"):
+        print(f"  over the {cv['stable_rounds']} timed rounds in Stable only: ratio {cv['ratio_stable']:.3f}, stall "
+              f"{cv['stall_share_stable']:.1%} of the unconstrained time (policy predicted "
+              f"{(pol or {}).get('predicted_stall_s', 0) * 1e3:.1f} ms stall)")
+    print("  trials: " + "; ".join(f"{t['policy']} {t['iteration_s'] * 1e3:.0f} ms peak {t['peak_mib']:.2f} MiB "
+                                   f"{'held' if t['held'] else 'did not hold'}" for t in r["trials"]))
+    print("  untimed rounds: " + "; ".join(
+        f"{x['stage']}{'/' + x['policy'] if x['policy'] else ''} {x['iteration_s'] * 1e3:.0f} ms out {x['swap_out_mib']:.2f} MiB"
+        + (f" passive {x['passive_swaps']}" if x['passive_swaps'] else "") + (f" OOM-retry {x['oom_retries']}" if x['oom_retries'] else "")
+        for x in r["chameleon_rounds"][:r["rounds"]["warmup"]]))
+    lowered = {n: b for n, b in r["min_swap_bytes_after"].items() if b != c["min_swap_bytes"]}
+    if lowered:
+        print(f"  NOTE: an out-of-memory retry lowered min_swap_bytes for good: {lowered}")
+    for i, transition in cv["transitions"]:
+        print(f"  after round {i}{' (timed)' if i >= r['rounds']['warmup'] else ''}: {transition}")
+    k = r["checks"]
+    print(f"issue 5 targets (emulated): chameleon ratio {cv['ratio']:.3f} <= 1.05: {'met' if k['chameleon_ratio_at_most_1.05'] else 'NOT met'}; "
+          f"stall {cv['stall_share']:.1%} <= 2%: {'met' if k['chameleon_stall_at_most_2pct'] else 'NOT met'}; stable throughout "
+          f"with its policy: {'yes' if k['chameleon_stable_throughout'] else 'NO'}; peak within capacity: "
+          f"{'yes' if k['chameleon_peak_within_capacity'] else 'NO'}; all bit-identical: {'yes' if k['all_bit_identical'] else 'NO'}")
+    print(f"wall time {r['wall_s']:.0f} s (rounds {r['rounds']['wall_s']:.0f} s)")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--capacity-fraction", type=float, default=None,
+                        help="capacity / unswapped peak (default: peak - --hide-share x the bytes the link moves in the "
+                             "measured forward time)")
+    parser.add_argument("--hide-share", type=float, default=0.5,
+                        help="without --capacity-fraction: share of the link's bytes in one forward pass to take off")
+    parser.add_argument("--min-swap-kib", type=float, default=128, help="min_swap_bytes in KiB")
+    parser.add_argument("--prefetch-depth", type=int, default=2)
+    parser.add_argument("--policy-trials", type=int, default=5)
+    parser.add_argument("--warmup-rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=16, help="timed rounds (a multiple of 4 balances the order)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: on a shared 2-core machine two threads stall each other)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline-profiled", action="store_true",
+                        help="baseline as WarmUp forever (warmup_iterations 10**6: a detailed trace every iteration)")
+    parser.add_argument("--small", action="store_true", help="tiny model and few rounds (smoke test)")
+    parser.add_argument("--verbose", action="store_true", help="one line per round")
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    args = parser.parse_args(argv)
+    if args.small:
+        args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab = 2, 64, 4, 32, 1, 128
+        args.min_swap_kib, args.rounds, args.warmup_rounds, args.policy_trials = 4, 4, 1, 2
+    if args.capacity_fraction is not None and not 0 < args.capacity_fraction <= 1 or args.hide_share <= 0 or args.rounds < 1 or args.hidden % args.heads:
+        parser.error("need 0 < --capacity-fraction <= 1, --rounds >= 1 and --hidden divisible by --heads")
+    args.min_swap_bytes = int(args.min_swap_kib * 1024)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        results = _main(args, argv)
+    finally:
+        torch.set_num_threads(threads_before)
+    return results
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> dict:
+    started = time.perf_counter()
+    results = {
+        "command": shlex.join([".venv/bin/python", "launch/bench_executor.py", *argv]),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "emulated": True,
+        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "load_average_before": os.getloadavg()[0]},
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **run(args),
+    }
+    results["wall_s"] = time.perf_counter() - started
+    results["machine"]["load_average_after"] = os.getloadavg()[0]
+    print_report(results)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"results written to {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
