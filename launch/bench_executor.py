@@ -547,7 +547,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--capacity-fraction", type=float, default=None,
                         help="capacity / unswapped peak (default: peak - --hide-share x the bytes the link moves in the "
                              "measured forward time)")
-    parser.add_argument("--hide-share", type=float, default=0.5,
+    parser.add_argument("--hide-share", type=float, default=0.25,
                         help="without --capacity-fraction: share of the link's bytes in one forward pass to take off")
     parser.add_argument("--min-swap-kib", type=float, default=128, help="min_swap_bytes in KiB")
     parser.add_argument("--prefetch-depth", type=int, default=2)
