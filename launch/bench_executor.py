@@ -43,9 +43,7 @@ import argparse
 import contextlib
 import datetime as dt
 import gc
-import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -53,6 +51,9 @@ import time
 import weakref
 from pathlib import Path
 from typing import Callable, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from machine_info import machine, write_json  # noqa: E402
 
 import torch
 from torch import nn
@@ -525,16 +526,6 @@ def print_report(r: dict) -> None:
     print(f"wall time {r['wall_s']:.0f} s (rounds {r['rounds']['wall_s']:.0f} s)")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
@@ -591,19 +582,14 @@ def _main(args: argparse.Namespace, argv: list[str]) -> dict:
         "command": shlex.join([".venv/bin/python", "launch/bench_executor.py", *argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "emulated": True,
-        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "load_average_before": os.getloadavg()[0]},
+        "machine": machine(torch),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         **run(args),
     }
     results["wall_s"] = time.perf_counter() - started
     results["machine"]["load_average_after"] = os.getloadavg()[0]
     print_report(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"results written to {args.json}")
+    write_json(args.json, results)
     return results
 
 

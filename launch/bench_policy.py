@@ -26,14 +26,15 @@ import argparse
 import dataclasses
 import datetime as dt
 import gc
-import json
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from machine_info import machine, write_json  # noqa: E402
 
 import torch
 from torch import nn
@@ -327,16 +328,6 @@ def print_report(r: dict) -> None:
     print(f"wall time {r['wall_s']:.0f} s")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=6, help="(1) transformer layers")
@@ -379,9 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "command": shlex.join([".venv/bin/python", "launch/bench_policy.py", *argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "load_average_before": os.getloadavg()[0]},
+        "machine": machine(torch),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "llama_shape"},
         "eq1": {"config": {k: getattr(args, k) for k in ("hidden", "heads", "seq", "batch", "vocab", "experts",
                                                             "top_k", "iterations", "warmup")},
@@ -391,10 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["wall_s"] = time.perf_counter() - started
     results["machine"]["load_average_after"] = os.getloadavg()[0]
     print_report(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"results written to {args.json}")
+    write_json(args.json, results)
     return results
 
 

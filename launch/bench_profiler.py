@@ -33,9 +33,13 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from machine_info import cpu_name  # noqa: E402
 
 import torch
 from torch import nn
@@ -305,16 +309,6 @@ def verdict(value: float, interval: tuple[float, float], goal: float) -> str:
     return "MET (within noise)" if value <= goal else "NOT MET (within noise)"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _load() -> float:
     try:
         return os.getloadavg()[0]
@@ -388,7 +382,7 @@ def _run(args: argparse.Namespace) -> dict:
     per_op_mix_us = {v: mix_times[v]["added_s"] / mix.ops_per_iteration * 1e6 for v in VARIANTS}
     plain_s = gpt[PLAIN]["median_s"]
     results = {
-        "machine": {"cpu": _cpu_name(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+        "machine": {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "python": platform.python_version(),
                     "load_average_before": load_before, "load_average_after": _load()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -1,0 +1,37 @@
+"""What the benchmark scripts in launch/ print about the machine they ran on."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine(torch_module) -> dict:
+    """The machine block of a benchmark's JSON (the load average is taken now, as "before")."""
+    import os
+
+    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "torch_threads": torch_module.get_num_threads(),
+            "torch": torch_module.__version__, "python": platform.python_version(),
+            "load_average_before": os.getloadavg()[0]}
+
+
+def write_json(path: Path | None, results: dict) -> None:
+    """Write ``results`` to ``path`` (if given) and say so."""
+    import json
+
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"results written to {path}")
