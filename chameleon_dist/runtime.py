@@ -86,6 +86,7 @@ class Chameleon:
         self._pressure_waits = 0
         self._trace_stall_s: dict[int, float] = {}
         self._swap_all_peak_bytes = 0  # peak of the latest WarmUp (swap-everything) iteration
+        self._warmup_unsafe = False  # the old policy needed passive swaps or a retry in WarmUp
         self.applied_policy: Policy | None = None
         self.device.set_pressure_handler(self._on_memory_pressure if self.config.enabled else None)
         logger.info(
@@ -162,6 +163,8 @@ class Chameleon:
                            f"under policy {self.applied_policy.name}")
         if stage == WARMUP and self.applied_policy is None and not self._oom_retries:
             self._swap_all_peak_bytes = peak
+        if stage == WARMUP:  # the old policy is kept in WarmUp only while it holds without help
+            self._warmup_unsafe = bool(self.applied_policy is not None and (self._passive_swaps or self._oom_retries))
         profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps, over_budget)
         self._follow(profile, stage)
         self.last_report = self._report(counters, profile, iteration_s, stall_start_s)
@@ -171,8 +174,12 @@ class Chameleon:
 
     # ---- policies ---------------------------------------------------------------------------
     def _policy_for(self, stage: str) -> Policy | None:
-        """WarmUp swaps every eligible tensor (passive swap is its safety net); GenPolicy tries the
+        """WarmUp applies the last chosen policy to the tensors it matches confidently (the rest stay on
+        the device, with passive swap as the safety net), or swaps every eligible tensor when there is
+        none yet or the last WarmUp iteration needed passive swaps or a retry; GenPolicy tries the
         generated policies in turn; Stable applies the chosen one."""
+        if stage == WARMUP:
+            return self.trials.current if self.trials.current is not None and not self._warmup_unsafe else None
         if stage == GEN_POLICY:
             if self._need_policies or self.trials.regenerate:
                 if self._need_policies:
