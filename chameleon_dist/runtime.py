@@ -120,6 +120,8 @@ class Chameleon:
         """One whole training iteration (all micro-batches and the optimizer step)."""
         if self._in_iteration:
             raise RuntimeError("Chameleon.iteration() is already active: iterations cannot nest")
+        stage = self.profiler.stage
+        self.applied_policy = self._policy_for(stage) if self.config.enabled else None
         self._in_iteration = True
         self._passive_swaps = 0
         self._oom_retries = 0
@@ -128,8 +130,6 @@ class Chameleon:
         start_s = time.perf_counter()
         self._pressure_waits = 0
         counters = SwapCounters()
-        stage = self.profiler.stage
-        self.applied_policy = self._policy_for(stage) if self.config.enabled else None
         self.executor.use_policy(self.applied_policy)
         try:
             observing = self.profiler.observe(self._iteration + 1, self._models, self.executor.protected_keys)
