@@ -41,10 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import gc
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -53,7 +50,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from machine_info import machine, write_json  # noqa: E402
+from machine_info import finish, header, write_json  # noqa: E402
 
 import torch
 from torch import nn
@@ -579,15 +576,12 @@ def main(argv: list[str] | None = None) -> dict:
 def _main(args: argparse.Namespace, argv: list[str]) -> dict:
     started = time.perf_counter()
     results = {
-        "command": shlex.join([".venv/bin/python", "launch/bench_executor.py", *argv]),
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        **header("bench_executor.py", argv, torch),
         "emulated": True,
-        "machine": machine(torch),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         **run(args),
     }
-    results["wall_s"] = time.perf_counter() - started
-    results["machine"]["load_average_after"] = os.getloadavg()[0]
+    finish(results, started)
     print_report(results)
     write_json(args.json, results)
     return results

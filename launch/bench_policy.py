@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import gc
-import os
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from machine_info import machine, write_json  # noqa: E402
+from machine_info import finish, header, write_json  # noqa: E402
 
 import torch
 from torch import nn
@@ -368,17 +365,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
     results = {
-        "command": shlex.join([".venv/bin/python", "launch/bench_policy.py", *argv]),
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine(torch),
+        **header("bench_policy.py", argv, torch),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "llama_shape"},
         "eq1": {"config": {k: getattr(args, k) for k in ("hidden", "heads", "seq", "batch", "vocab", "experts",
                                                             "top_k", "iterations", "warmup")},
                 "models": {kind: eq1_model(kind, args) for kind in ("dense", "moe")}},
         "generation": generation(args),
     }
-    results["wall_s"] = time.perf_counter() - started
-    results["machine"]["load_average_after"] = os.getloadavg()[0]
+    finish(results, started)
     print_report(results)
     write_json(args.json, results)
     return results

@@ -26,6 +26,27 @@ def machine(torch_module) -> dict:
             "load_average_before": os.getloadavg()[0]}
 
 
+def header(script: str, argv: list[str], torch_module) -> dict:
+    """The opening of a benchmark's results: the command that reproduces it, the date, the machine."""
+    import datetime as dt
+    import shlex
+
+    return {
+        "command": shlex.join([".venv/bin/python", f"launch/{script}", *argv]),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(torch_module),
+    }
+
+
+def finish(results: dict, started_s: float) -> None:
+    """Close a benchmark's results: its wall time (since ``started_s``, a perf_counter) and the load now."""
+    import os
+    import time
+
+    results["wall_s"] = time.perf_counter() - started_s
+    results["machine"]["load_average_after"] = os.getloadavg()[0]
+
+
 def write_json(path: Path | None, results: dict) -> None:
     """Write ``results`` to ``path`` (if given) and say so."""
     import json

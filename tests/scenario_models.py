@@ -260,6 +260,17 @@ def micro_batches(before: int = 2, after: int = 3) -> Scenario:
                     "a whole forward + backward is added")
 
 
+@contextlib.contextmanager
+def one_thread():
+    """The models are tiny: intra-op threads only add stalls when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---- the runner ------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Run:

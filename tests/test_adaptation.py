@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests import scenario_models as sm  # noqa: E402
@@ -61,10 +60,8 @@ def held_again_after(result: sm.Run, budget: int) -> int | None:
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with sm.one_thread():
+        yield
 
 
 @pytest.mark.slow
@@ -80,7 +77,6 @@ def test_bit_identical_and_the_budget_holds_again_soon_after_the_change(key):
 
 
 def _table() -> None:
-    torch.set_num_threads(1)
     print(f"capacity {CAPACITY_FRACTION:.0%} of the unswapped peak (b: {CAPACITY_FRACTIONS['b']:.0%}), memory budget "
           f"{BUDGET_FRACTION:.0%} of the capacity; event at iteration {EVENT}")
     print("| scenario | unswapped peak | capacity | peak with Chameleon | swapped MiB/it | stages from the event on | budget held again after |")
@@ -97,4 +93,5 @@ def _table() -> None:
 
 
 if __name__ == "__main__":
-    _table()
+    with sm.one_thread():
+        _table()

@@ -18,7 +18,6 @@ so that it turns into a failure (and the marker must go) once the cause is fixed
 import functools
 
 import pytest
-import torch
 
 from chameleon_dist.profiler.signature import compare
 from tests import scenario_models as sm
@@ -54,11 +53,8 @@ MAJOR = {
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """The models are tiny: intra-op threads only add stalls when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with sm.one_thread():
+        yield
 
 
 @functools.cache

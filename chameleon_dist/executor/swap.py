@@ -114,7 +114,10 @@ class SwapExecutor:
 
     def use_policy(self, policy: Policy | None) -> None:
         """Swap what ``policy`` says from the next iteration on (None: swap every eligible tensor)."""
-        self.matcher = PolicyMatcher(policy) if policy is not None else None
+        if policy is None:
+            self.matcher = None
+        elif self.matcher is None or self.matcher.policy is not policy:  # (reset per iteration by ``active``)
+            self.matcher = PolicyMatcher(policy)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[SwapCounters]:
@@ -280,12 +283,8 @@ class SwapExecutor:
             entry = ref()
             if entry is None or entry.restored or entry.in_flight:
                 continue
-            try:
-                self._swap_in(entry)
-            except torch.OutOfMemoryError:
-                logger.debug("planned prefetch skipped: no device memory for %s", format_bytes(entry.nbytes))
+            if not self._prefetch(entry):
                 return
-            self.counters.prefetched += 1
 
     def _prefetch_before(self, entry: SwapEntry) -> None:
         """Keep the next ``prefetch_depth`` storages backward will likely need (saved earlier) coming in."""
@@ -299,12 +298,18 @@ class SwapExecutor:
             ahead += 1
             if candidate.in_flight:
                 continue
-            try:
-                self._swap_in(candidate)
-            except torch.OutOfMemoryError:
-                logger.debug("prefetch skipped: no device memory for %s", format_bytes(candidate.nbytes))
+            if not self._prefetch(candidate):
                 return
-            self.counters.prefetched += 1
+
+    def _prefetch(self, entry: SwapEntry) -> bool:
+        """Start a swap-in ahead of its use; False (and nothing started) when the device has no room."""
+        try:
+            self._swap_in(entry)
+        except torch.OutOfMemoryError:
+            logger.debug("prefetch skipped: no device memory for %s", format_bytes(entry.nbytes))
+            return False
+        self.counters.prefetched += 1
+        return True
 
     # ---- memory pressure --------------------------------------------------------------------
     def relieve_pressure(self, short_bytes: int) -> int:

@@ -359,8 +359,7 @@ def _to_policy(ctx, name, size_weight, margin, allow_recompute, chosen, planned,
             f"({trace.op_names[op.name_id]}, {op.phase}), where no swappable saved activation is waiting for "
             "backward: swapping cannot lower this peak; raise memory_budget or shrink the model state/micro-batch"
         )
-    elif not feasible and _swap_floor(ctx) > s.budget_bytes:
-        floor = _swap_floor(ctx)
+    elif not feasible and (floor := _swap_floor(ctx)) > s.budget_bytes:
         reason = (
             f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)}: even with every candidate off the device "
             f"for its whole window the peak would be {format_bytes(floor)}, above the budget (what is live there is "
@@ -371,7 +370,7 @@ def _to_policy(ctx, name, size_weight, margin, allow_recompute, chosen, planned,
         op = trace.ops[sim.peak_op]
         reason = (
             f"short by {format_bytes(sim.peak_bytes - s.budget_bytes)} at op {sim.peak_op} "
-            f"({trace.op_names[op.name_id]}, {op.phase}): swapping could reach {format_bytes(_swap_floor(ctx))} "
+            f"({trace.op_names[op.name_id]}, {op.phase}): swapping could reach {format_bytes(floor)} "
             f"with instant copies, but the host link ({s.d2h_bytes_per_s / 1e9:.3g} GB/s out, "
             f"{s.h2d_bytes_per_s / 1e9:.3g} GB/s in) cannot move enough in time"
             + (f" and host_memory_budget kept {format_bytes(host_kept)} on the device" if host_kept else "")
