@@ -136,6 +136,18 @@ class SwapExecutor:
         finally:
             self._clear()
 
+    def new_attempt(self) -> None:
+        """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
+        yielded, emptied in place) and the save numbering describe only the attempt that completes."""
+        fresh = SwapCounters()
+        for field in dataclasses.fields(SwapCounters):
+            setattr(self.counters, field.name, getattr(fresh, field.name))
+        if self.matcher is not None:
+            self.matcher.reset()
+            self.counters.matches = self.matcher.counts
+        self._swapped_since_release = False
+        self._clear()
+
     def _clear(self) -> None:
         self._by_storage.clear()
         self._order.clear()
