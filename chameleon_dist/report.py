@@ -11,9 +11,15 @@ class IterationReport:
     """One iteration. Byte counts are device bytes unless named ``host``; ``emulated`` marks CPU figures.
 
     ``stage`` is the stage the iteration ran in ("warmup", "gen_policy", "stable"). ``num_ops`` is the
-    number of aten ops in its signature; ``sequence_changed`` says whether the sequence differs at all from
-    the reference, ``sequence_change_major`` whether the difference needs a new policy (and sent the
-    runtime back to WarmUp), ``stage_transition`` what changed stage after this iteration, and why."""
+    number of aten ops in its signature. Compared with the reference sequence (the one the policy is
+    built from), ``sequence_changed`` is the paper's test, the one that can trigger re-planning: among
+    autograd ops the length changed by at least ``profiler.length_change``, or the cosine similarity
+    fell below ``profiler.cosine_threshold``, or the bytes saved for backward changed by at least
+    ``profiler.length_change`` (in GenPolicy and Stable it sends the runtime back to WarmUp).
+    ``sequence_differs`` is true for any difference at all (an op, the order, an op outside autograd, a
+    saved size), also one the policy absorbs, such as an MoE expert that gets no token; it is reported
+    only. ``sequence_change_major`` is the older name of ``sequence_changed`` and always equals it.
+    ``stage_transition`` says what changed stage after this iteration, and why."""
 
     iteration: int
     enabled: bool  # chameleon.enabled: false means measured only, nothing swapped
@@ -31,8 +37,8 @@ class IterationReport:
     iteration_s: float
     policy_version: int
     num_ops: int
-    sequence_changed: bool
-    sequence_change_major: bool
+    sequence_changed: bool  # the paper's test failed: a new policy is needed (see above)
+    sequence_change_major: bool  # == sequence_changed (older name)
     sequence_cosine: float
     sequence_length_change: float  # relative, among ops inside autograd
     saved_bytes_change: float  # relative change of the bytes saved for backward
@@ -46,6 +52,7 @@ class IterationReport:
     matched_fuzzy: int = 0
     unmatched: int = 0  # saved storages a policy could not place confidently (kept on the device)
     on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
+    sequence_differs: bool = False  # any difference from the reference sequence, absorbed or not (see above)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -337,7 +337,8 @@ class Chameleon:
             policy_version=self.trials.version if self.applied_policy is self.trials.current else 0,
             num_ops=profile.signature.num_ops,
             sequence_changed=profile.comparison.changed,
-            sequence_change_major=profile.comparison.major,
+            sequence_change_major=profile.comparison.changed,  # older name, same value
+            sequence_differs=profile.comparison.differs,  # any difference, absorbed or not
             sequence_cosine=profile.comparison.cosine,
             sequence_length_change=profile.comparison.length_change,
             saved_bytes_change=profile.comparison.saved_bytes_change,

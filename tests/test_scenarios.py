@@ -6,9 +6,10 @@ data-dependent branch, (d) MoE routing with varying expert token counts, (e) a n
 (f) a new number of micro-batches. Each event happens at iteration ``EVENT`` (10), when the runtime is
 Stable (warm-up 2 + policy trials 5 with the default settings). For each scenario:
 
-1. the change is flagged (``sequence_changed``) in the iteration where it happens, and the identical
+1. the difference is flagged (``sequence_differs``) in the iteration where it happens, and the identical
    iterations around it are not;
-2. it needs a new policy (``sequence_change_major``, back to WarmUp) or is absorbed, for a stated reason;
+2. it is a change in the paper's sense that needs a new policy (``sequence_changed``, back to WarmUp) or
+   is absorbed, for a stated reason;
 3. training is bit-identical to the same loop without Chameleon (losses, every gradient, parameters).
 
 An expectation that the implementation does not meet yet is marked ``xfail(strict=True)`` with its cause,
@@ -26,7 +27,7 @@ from tests.scenario_models import EVENT
 ITERATIONS = 20
 WARMUP = 2  # profiler.warmup_iterations (default)
 
-# Iterations whose sequence differs from the reference, by construction (iteration 1 has no reference).
+# Iterations whose sequence differs from the reference (``sequence_differs``), by construction (iteration 1 has no reference).
 # The reference is the last WarmUp iteration's sequence: renewed in every WarmUp iteration, kept after.
 FLAGGED = {
     "a": {2, EVENT},  # 2: SGD momentum's first step created its buffers (ops outside autograd); EVENT: overflow
@@ -39,7 +40,7 @@ FLAGGED = {
     "e-small": set(range(EVENT, ITERATIONS + 1)),  # absorbed: every later iteration still differs from the reference
     "f": {EVENT},
 }
-MAJOR = {
+MAJOR = {  # iterations with ``sequence_changed`` (the paper's test failed)
     "a": set(),  # the missing ops (optimizer step) are outside autograd
     "b": set(),  # the added ops (no_grad forward) are outside autograd and save nothing
     "c-block": {EVENT, EVENT + 3},  # +44% autograd ops and +44% saved bytes
@@ -71,7 +72,7 @@ def _flagged_expected(key: str, result: sm.Run) -> set[int]:
 
 
 def _flagged(result: sm.Run) -> set[int]:
-    return {i for i in range(1, ITERATIONS + 1) if result.changed[i - 1]}
+    return {i for i in range(1, ITERATIONS + 1) if result.differs[i - 1]}
 
 
 def _major(result: sm.Run) -> set[int]:
@@ -83,7 +84,7 @@ def _major(result: sm.Run) -> set[int]:
 def test_the_change_is_flagged_in_its_iteration(key):
     result = _run(key)
     assert result.stages[EVENT - 1] == "stable", "each event happens in Stable"
-    assert result.changed[EVENT - 1], result.comparisons[EVENT - 1]
+    assert result.differs[EVENT - 1], result.comparisons[EVENT - 1]
     assert _flagged_expected(key, result) <= _flagged(result)
 
 
@@ -186,7 +187,7 @@ def _steady() -> sm.Run:
 
 def test_identical_iterations_raise_no_false_change_and_end_stable():
     result = _steady()
-    assert not any(result.changed[1:]) and not any(result.major)
+    assert not any(result.differs[1:]) and not any(result.major)
     assert result.stages == ["warmup"] * 2 + ["gen_policy"] * 5 + ["stable"] * (STEADY_ITERATIONS - 7)
     assert [r.num_ops for r in result.reports[1:]] == [result.reports[1].num_ops] * (STEADY_ITERATIONS - 1)
 
@@ -194,7 +195,7 @@ def test_identical_iterations_raise_no_false_change_and_end_stable():
 def test_a_stateful_optimizer_is_flagged_once_and_absorbed():
     """Adam creates its state in its first step: iteration 2 lacks those ops (all outside autograd)."""
     result = sm.run(sm.steady(), 5, optimizer="adam")
-    assert result.changed == [False, True, False, False, False] and not any(result.major)
+    assert result.differs == [False, True, False, False, False] and not any(result.major)
 
 
 def test_the_signature_does_not_depend_on_what_is_swapped():
@@ -205,7 +206,7 @@ def test_the_signature_does_not_depend_on_what_is_swapped():
     assert sum(r.swap_out_bytes for r in swapping.reports) > 0 and sum(r.swap_out_bytes for r in keeping.reports) == 0
     assert [r.num_ops for r in swapping.reports] == [r.num_ops for r in keeping.reports]
     for x, y in zip(swapping.signatures, keeping.signatures):
-        assert not compare(x, y, 0.05, 0.95).changed
+        assert not compare(x, y, 0.05, 0.95).differs
 
 
 def test_a_major_change_in_stable_goes_back_to_warmup_then_proceeds():

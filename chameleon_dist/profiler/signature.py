@@ -6,10 +6,11 @@ outside autograd (see ``TrainingScope``: validation passes under no_grad, optimi
 preparation). The executor's own ops are not recorded, and it adds the byte size of every tensor
 autograd saves.
 
-``compare`` flags *any* difference (``changed``) and decides whether the difference is *major* (a new
-policy is needed): among the ops that matter, the length differs by at least ``length_change`` or the
-cosine similarity of the id sequences (zero-padded to one length) is below ``cosine_threshold`` (the
-paper's test), or the bytes saved for backward differ by at least ``length_change``.
+``compare`` says whether the sequence ``differs`` at all (any op, its order, an ``~op`` or a saved size:
+reported only) and whether it ``changed`` in the paper's sense, the test that can trigger re-planning:
+among the ops that matter, the length differs by at least ``length_change`` or the cosine similarity of
+the id sequences (zero-padded to one length) is below ``cosine_threshold``, or the bytes saved for
+backward differ by at least ``length_change``. ``major`` is the older name of ``changed``.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class Comparison:
     length_change: float  # relative, among the ops inside autograd
     cosine: float
     saved_bytes_change: float  # relative
-    changed: bool  # any difference at all (ops, order, or saved sizes)
-    major: bool  # a new policy is needed
+    differs: bool  # any difference at all (ops, their order, ~ops, or saved sizes): reported only
+    changed: bool  # the paper's test failed (length, cosine or saved bytes): a new policy is needed
     reason: str
 
 
@@ -109,6 +110,11 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     denominator = float(x.norm() * y.norm())
     return float(x @ y) / denominator if denominator else 1.0
 
+    @property
+    def major(self) -> bool:
+        """The older name of ``changed``."""
+        return self.changed
+
 
 def _relative(new: float, old: float) -> float:
     if old == 0:
@@ -123,7 +129,7 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
     length = _relative(relevant.numel(), reference_relevant.numel())
     cosine = cosine_similarity(relevant, reference_relevant)
     saved = _relative(sum(current.saved_bytes), sum(reference.saved_bytes))
-    changed = not (torch.equal(current.ids, reference.ids) and current.saved_bytes == reference.saved_bytes)
+    differs = not (torch.equal(current.ids, reference.ids) and current.saved_bytes == reference.saved_bytes)
     reasons = []
     if length >= length_change:
         reasons.append(f"length changed by {length:.1%} (profiler.length_change {length_change:.0%})")
@@ -133,8 +139,8 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
         reasons.append(f"bytes saved for backward changed by {saved:.1%}")
     if reasons:
         reason = "; ".join(reasons)
-    elif changed:
-        reason = f"minor change absorbed (length {length:.1%}, cosine {cosine:.3f}, saved bytes {saved:.1%})"
+    elif differs:
+        reason = f"minor difference absorbed (length {length:.1%}, cosine {cosine:.3f}, saved bytes {saved:.1%})"
     else:
         reason = "identical"
-    return Comparison(current.num_ops, reference.num_ops, length, cosine, saved, changed, bool(reasons), reason)
+    return Comparison(current.num_ops, reference.num_ops, length, cosine, saved, differs, bool(reasons), reason)
