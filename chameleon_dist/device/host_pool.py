@@ -1,17 +1,29 @@
-"""A bounded pool of host buffers with exact-size reuse.
+"""A bounded pool of host buffers: exact-size reuse, and idle buffers bounded by recent use.
 
-Swapped activations repeat with the same sizes every iteration, so buffers are kept per exact byte size
-and handed out again; nothing is rounded up to a power of two (rounding costs up to ~1.8x host RAM in
-other offloaders). ``budget_bytes`` bounds everything the pool holds, in use or cached; when a new buffer
-would exceed it, cached buffers of other sizes are freed first, and if that is not enough ``acquire``
-returns ``None`` so the caller keeps the tensor on the device instead of crashing the job.
+Swapped activations repeat with the same sizes every iteration, so a released buffer is handed out again
+for the same byte size; nothing is rounded up to a power of two (rounding costs up to ~1.8x host RAM in
+other offloaders). When no idle buffer has the exact size, the smallest idle one at most
+``reuse_slack_fraction`` larger is lent as a view of its first ``nbytes`` (bounded waste, and no new
+pinned allocation when shapes change a little).
+
+Two bounds keep host memory tied to what is in use:
+
+- ``budget_bytes`` (``host_memory_budget``) bounds everything the pool holds, in use or idle; when a new
+  buffer would exceed it, idle buffers are freed (least recently released first), and if that is not
+  enough ``acquire`` returns ``None`` so the caller keeps the tensor on the device instead of crashing.
+- Idle buffers are capped at ``idle_cap_factor`` times the peak bytes in use over the last
+  ``window_cycles`` cycles (a cycle ends each time nothing is in use any more, e.g. at the end of an
+  iteration's backward pass); beyond it the least recently released idle buffers are freed. In a steady
+  state the sizes repeat and everything idle is reused, so nothing is freed; when every iteration brings
+  new sizes (a different batch shape each step), old sizes age out instead of piling up to the budget.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import logging
 import threading
-from collections import defaultdict
 from typing import Callable
 
 import torch
@@ -20,6 +32,15 @@ logger = logging.getLogger(__name__)
 
 Allocator = Callable[[int], torch.Tensor]
 
+IDLE_CAP_FACTOR = 2.0
+"""Idle (cached) bytes are kept up to this multiple of the recent peak bytes in use."""
+
+WINDOW_CYCLES = 16
+"""How many recent in-use cycles the peak is taken over."""
+
+REUSE_SLACK_FRACTION = 0.125
+"""An idle buffer up to this fraction larger than a request may serve it (as a view of its start)."""
+
 
 def plain_host_allocator(nbytes: int) -> torch.Tensor:
     """Pageable host memory (the emulated device's host side)."""
@@ -27,43 +48,74 @@ def plain_host_allocator(nbytes: int) -> torch.Tensor:
 
 
 class HostBufferPool:
-    """Thread-safe exact-size buffer pool bounded by ``budget_bytes`` (``None`` = unbounded)."""
+    """Thread-safe host buffer pool bounded by ``budget_bytes`` (``None`` = unbounded) and, for idle
+    buffers, by ``idle_cap_factor`` x the peak in use over the last ``window_cycles`` cycles."""
 
-    def __init__(self, budget_bytes: int | None, allocate: Allocator = plain_host_allocator) -> None:
+    def __init__(
+        self,
+        budget_bytes: int | None,
+        allocate: Allocator = plain_host_allocator,
+        *,
+        idle_cap_factor: float = IDLE_CAP_FACTOR,
+        window_cycles: int = WINDOW_CYCLES,
+        reuse_slack_fraction: float = REUSE_SLACK_FRACTION,
+    ) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"host_memory_budget must be >= 0 bytes, got {budget_bytes}")
+        if idle_cap_factor < 1 or window_cycles < 1 or reuse_slack_fraction < 0:
+            raise ValueError(
+                f"idle_cap_factor must be >= 1 (got {idle_cap_factor}), window_cycles >= 1 (got {window_cycles}), "
+                f"reuse_slack_fraction >= 0 (got {reuse_slack_fraction})"
+            )
         self.budget_bytes = budget_bytes
+        self.idle_cap_factor = idle_cap_factor
+        self.reuse_slack_fraction = reuse_slack_fraction
         self._allocate = allocate
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._lock = threading.Lock()
+        self._stamp = 0
+        self._idle: collections.OrderedDict[int, tuple[int, torch.Tensor]] = collections.OrderedDict()  # oldest first
+        self._idle_by_size: dict[int, collections.deque[int]] = {}  # size -> stamps, oldest first
+        self._idle_sizes: list[int] = []  # sorted sizes that have idle buffers
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> the larger buffer it views
+        self._cycle_peak_bytes = 0
+        self._recent_peaks_bytes: collections.deque[int] = collections.deque(maxlen=window_cycles)
         self.in_use_bytes = 0
         self.cached_bytes = 0
         self.peak_reserved_bytes = 0
+        self.peak_in_use_bytes = 0
         self.refusals = 0
         self.allocations = 0
+        self.evicted_bytes = 0
 
     @property
     def reserved_bytes(self) -> int:
         """Bytes the pool holds from the host: buffers in use plus cached free ones."""
         return self.in_use_bytes + self.cached_bytes
 
+    @property
+    def idle_cap_bytes(self) -> int:
+        """The most idle bytes kept now: ``idle_cap_factor`` x the recent peak in use."""
+        recent_bytes = max(self._recent_peaks_bytes, default=0)
+        return int(self.idle_cap_factor * max(recent_bytes, self._cycle_peak_bytes))
+
     def acquire(self, nbytes: int) -> torch.Tensor | None:
-        """A uint8 host buffer of exactly ``nbytes``, or ``None`` when the budget has no room."""
+        """A uint8 host buffer of exactly ``nbytes`` elements, or ``None`` when the budget has no room."""
         with self._lock:
-            bucket = self._free.get(nbytes)
-            if bucket:
-                buf = bucket.pop()
-                self.cached_bytes -= nbytes
-                self.in_use_bytes += nbytes
-                return buf
+            reused = self._take_idle_locked(nbytes)
+            if reused is not None:
+                self._note_in_use_locked(reused.numel())
+                if reused.numel() == nbytes:
+                    return reused
+                view = reused[:nbytes]
+                self._lent[view.data_ptr()] = reused
+                return view
             if self.budget_bytes is not None and self.reserved_bytes + nbytes > self.budget_bytes:
                 self._evict_locked(self.reserved_bytes + nbytes - self.budget_bytes)
                 if self.reserved_bytes + nbytes > self.budget_bytes:
                     self.refusals += 1
                     return None
-            self.in_use_bytes += nbytes
+            self._note_in_use_locked(nbytes)
             self.allocations += 1
-            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
         try:
             return self._allocate(nbytes)
         except BaseException:
@@ -73,26 +125,68 @@ class HostBufferPool:
 
     def release(self, buf: torch.Tensor) -> None:
         """Return a buffer obtained from ``acquire`` for reuse."""
-        nbytes = buf.numel()
         with self._lock:
+            base = self._lent.pop(buf.data_ptr(), None) if buf.numel() else None
+            if base is None:
+                base = buf
+            nbytes = base.numel()
             self.in_use_bytes -= nbytes
             self.cached_bytes += nbytes
-            self._free[nbytes].append(buf)
+            self._stamp += 1
+            self._idle[self._stamp] = (nbytes, base)
+            stamps = self._idle_by_size.get(nbytes)
+            if stamps is None:
+                stamps = self._idle_by_size[nbytes] = collections.deque()
+                bisect.insort(self._idle_sizes, nbytes)
+            stamps.append(self._stamp)
+            if self.in_use_bytes == 0:  # a cycle of use ended
+                self._recent_peaks_bytes.append(self._cycle_peak_bytes)
+                self._cycle_peak_bytes = 0
+            over_bytes = self.cached_bytes - self.idle_cap_bytes
+            if over_bytes > 0:
+                self._evict_locked(over_bytes)
 
     def trim(self) -> int:
         """Free every cached buffer; returns the bytes given back to the host."""
         with self._lock:
             return self._evict_locked(self.cached_bytes)
 
+    # ---- internals (called with the lock held) ----------------------------------------------
+    def _note_in_use_locked(self, nbytes: int) -> None:
+        self.in_use_bytes += nbytes
+        self._cycle_peak_bytes = max(self._cycle_peak_bytes, self.in_use_bytes)
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+
+    def _take_idle_locked(self, nbytes: int) -> torch.Tensor | None:
+        """The most recently released idle buffer of the smallest size in [nbytes, nbytes x (1 + slack)]."""
+        index = bisect.bisect_left(self._idle_sizes, nbytes)
+        if index == len(self._idle_sizes):
+            return None
+        size = self._idle_sizes[index]
+        if size != nbytes and (nbytes == 0 or size > nbytes + nbytes * self.reuse_slack_fraction):
+            return None
+        stamps = self._idle_by_size[size]
+        _, buf = self._idle.pop(stamps.pop())
+        if not stamps:
+            self._drop_size_locked(size)
+        self.cached_bytes -= size
+        return buf
+
+    def _drop_size_locked(self, size: int) -> None:
+        del self._idle_by_size[size]
+        del self._idle_sizes[bisect.bisect_left(self._idle_sizes, size)]
+
     def _evict_locked(self, want_bytes: int) -> int:
+        """Free idle buffers, least recently released first, until ``want_bytes`` are freed or none is left."""
         freed = 0
-        for size in sorted(self._free, reverse=True):
-            bucket = self._free[size]
-            while bucket and freed < want_bytes:
-                bucket.pop()
-                freed += size
-            if freed >= want_bytes:
-                break
+        while self._idle and freed < want_bytes:
+            stamp, (size, _buf) = self._idle.popitem(last=False)
+            stamps = self._idle_by_size[size]
+            stamps.popleft()  # the oldest of its size is the oldest overall among them
+            if not stamps:
+                self._drop_size_locked(size)
+            freed += size
         self.cached_bytes -= freed
-        self._free = defaultdict(list, {k: v for k, v in self._free.items() if v})
+        self.evicted_bytes += freed
         return freed
