@@ -53,6 +53,8 @@ class IterationReport:
     unmatched: int = 0  # saved storages a policy could not place confidently (kept on the device)
     on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
     sequence_differs: bool = False  # any difference from the reference sequence, absorbed or not (see above)
+    failed: bool = False  # the iteration raised (``error``): nothing after the failing op happened
+    error: str = ""  # the exception's type and first line, for a failed iteration
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -131,17 +131,23 @@ class Chameleon:
         self._pressure_waits = 0
         counters = SwapCounters()
         self.executor.use_policy(self.applied_policy)
+        observation = None
         try:
-            observing = self.profiler.observe(self._iteration + 1, self._models, self.executor.protected_keys)
+            observing = self.profiler.observe(
+                self._iteration + 1, self._models, self.executor.protected_keys, on_write=self.executor.note_writes
+            )
             with self.device.active(), observing as observation:
                 self._observation = observation
                 self.executor.observer = observation.recorder
                 self.executor.op_clock = lambda ids=observation.ids: len(ids)
                 if self.config.enabled:
-                    with self.executor.active() as counters:
+                    with self.executor.active(writes_reported=True) as counters:
                         yield
                 else:
                     yield
+        except Exception as exc:  # the iteration is lost: say so in last_report, then let the caller see it
+            self.last_report = self._failure_report(exc, stage, counters, observation, start_s, stall_start_s)
+            raise
         finally:
             self._in_iteration = False
             self._observation = None
@@ -317,6 +323,47 @@ class Chameleon:
         elif freed_bytes > 0:
             self._pressure_waits += 1
         return freed_bytes
+
+    def _failure_report(
+        self, exc: Exception, stage: str, counters: SwapCounters, observation, start_s: float, stall_start_s: float
+    ) -> IterationReport:
+        """The report of an iteration that raised: what it did until then, and the error. The iteration
+        counter and the stage machine do not advance (the step did not happen)."""
+        return IterationReport(
+            iteration=self._iteration + 1,
+            enabled=self.config.enabled,
+            stage=stage,
+            peak_device_bytes=self.device.peak_bytes(),
+            capacity_bytes=self.device.capacity_bytes,
+            memory_budget_bytes=self.memory_budget_bytes,
+            swap_out_bytes=counters.swap_out_bytes,
+            swap_in_bytes=counters.swap_in_bytes,
+            swapped_storages=counters.swapped_storages,
+            prefetched=counters.prefetched,
+            kept_on_device_bytes=counters.kept_for_host_budget_bytes,
+            host_pool_bytes=self.device.host_pool.reserved_bytes,
+            stall_s=self.device.stall_s() - stall_start_s,
+            iteration_s=time.perf_counter() - start_s,
+            policy_version=self.trials.version if self.applied_policy is self.trials.current else 0,
+            num_ops=len(observation.ids) if observation is not None else 0,
+            sequence_changed=False,
+            sequence_change_major=False,
+            sequence_cosine=1.0,
+            sequence_length_change=0.0,
+            saved_bytes_change=0.0,
+            stage_transition=None,
+            passive_swaps=self._passive_swaps,
+            oom_retries=self._oom_retries,
+            emulated=self.device.emulated,
+            pressure_waits=self._pressure_waits,
+            policy="" if self.applied_policy is None else self.applied_policy.name,
+            matched_exact=counters.matches.exact,
+            matched_fuzzy=counters.matches.fuzzy,
+            unmatched=counters.matches.unmatched,
+            on_demand_fetches=counters.on_demand,
+            failed=True,
+            error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        )
 
     def _report(self, counters: SwapCounters, profile: IterationProfile, iteration_s: float, stall_start_s: float) -> IterationReport:
         return IterationReport(

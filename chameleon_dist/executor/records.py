@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chameleon_dist.device.base import byte_view
+
 if TYPE_CHECKING:
     from chameleon_dist.device.base import CopyHandle, Device
 
@@ -21,15 +23,21 @@ class SwapEntry:
 
     __slots__ = (
         "nbytes", "version", "position", "trace_index", "to_host", "to_device", "device_bytes", "_device", "planned",
-        "__weakref__",
+        "writes", "source", "reused_source", "__weakref__",
     )
 
-    def __init__(self, device: "Device", to_host: "CopyHandle", version: int, position: int) -> None:
+    def __init__(
+        self, device: "Device", to_host: "CopyHandle", version: int, position: int, source: torch.UntypedStorage
+    ) -> None:
         self.nbytes = to_host.nbytes
         self.version = version
         self.position = position  # index in the iteration's swap-out order
         self.trace_index = -1  # index of its SwappedTensor in a detailed trace, when one is recorded
         self.planned = False  # a policy scheduled its swap-in
+        self.writes = 0  # in-place writes seen to the swapped storage (or its restored bytes) since the swap
+        # the device original, while anything (the user, a retained graph, the copy in flight) keeps it alive
+        self.source = weakref.ref(source)
+        self.reused_source = False  # restored by reusing the live original: no copy, no new device bytes
         self.to_host: CopyHandle | None = to_host
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None
@@ -44,8 +52,18 @@ class SwapEntry:
         return self.to_device is not None
 
     def start_swap_in(self) -> bool:
-        """Start the host->device copy unless it is under way or done; True if this call started it."""
+        """Start the host->device copy unless it is under way or done; True if this call started it.
+
+        When the device original is still alive (the user holds it, a retained graph does, or its
+        swap-out is still in flight), it *is* the restored copy: no transfer and no new device bytes, so
+        swapping never needs more device memory than not swapping."""
         if self.device_bytes is not None or self.to_device is not None:
+            return False
+        original = self.source()
+        if original is not None:
+            self.device_bytes = byte_view(original)
+            self.reused_source = True
+            self._release_host_if_copied()
             return False
         # ordered after the swap-out on the link, without making the training stream wait for it
         self.to_device = self._device.copy_to_device(self.to_host.result, after=self.to_host)
@@ -55,11 +73,20 @@ class SwapEntry:
         """The device bytes, waiting for the copy if needed; the host buffer goes back to the pool."""
         if self.device_bytes is None:
             self.start_swap_in()
+        if self.to_device is not None:
             self.device_bytes = self._device.wait(self.to_device)
             self._device.release_host(self.to_host.result)
             self.to_host = None
             self.to_device = None
         return self.device_bytes
+
+    def _release_host_if_copied(self) -> None:
+        """A reused original no longer needs the host copy: give it back once the swap-out completed
+        (else the destructor does, after waiting for it)."""
+        to_host = self.to_host
+        if to_host is not None and to_host.done():
+            self._device.release_host(to_host.result)
+            self.to_host = None
 
     def __del__(self) -> None:
         # Never (fully) swapped back in: no backward, an exception, a forward pass with grad on. The host
@@ -122,7 +149,9 @@ class KeptTensor:
 class SwappedTensor:
     """One saved tensor that was swapped out (its storage lives in ``entry``)."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "storage_offset", "version", "base", "description")
+    __slots__ = (
+        "entry", "dtype", "size", "stride", "storage_offset", "version", "entry_version", "base", "description",
+    )
 
     def __init__(self, entry: SwapEntry, tensor: torch.Tensor) -> None:
         self.entry = entry
@@ -130,7 +159,8 @@ class SwappedTensor:
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.storage_offset = tensor.storage_offset()
-        self.version = tensor._version
+        self.version = tensor._version  # what autograd expects at unpack (a passive swap sets the save's)
+        self.entry_version = tensor._version  # the version when the entry began watching the storage
         root = tensor._base if tensor._base is not None else tensor
         self.base = weakref.ref(root)  # shares the version counter of every view of this memory
         self.description = _describe(tensor)
@@ -138,11 +168,24 @@ class SwappedTensor:
     def check_version(self) -> None:
         """Raise what autograd raises when a saved tensor was modified in place after it was saved.
 
-        The base tensor holds the version counter shared by all its views (a weak reference: the device
-        memory must be free to go); once it is gone, no view of it can be modified any more."""
+        The base tensor holds the version counter shared by all its views, but only weakly (the device
+        memory must be free to go), and a tensor changed in place and then dropped takes its counter
+        with it. So the executor also counts the writes it sees to the swapped storage (``entry.writes``,
+        reported by a dispatch mode): any write after the save raises, whether the base is alive or not,
+        and whether or not the swap-out copy was still reading the bytes when they changed."""
         root = self.base()
+        writes = self.entry.writes
         if root is not None and root._version != self.version:
             raise _modified_in_place(self.description, root._version, self.version)
+        if root is None and self.entry_version + writes != self.version:
+            raise _modified_in_place(self.description, self.entry_version + writes, self.version)
+        if writes:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{self.description}] was written {writes} time(s) after it was saved, through a tensor that does "
+                "not share its version counter (e.g. through .data). (Reported by chameleon's swap executor: the "
+                "swapped copy and the changed original differ, so backward cannot go on.)"
+            )
 
     def rebuild(self, device_bytes: torch.Tensor) -> torch.Tensor:
         """The saved tensor on the device again: same dtype, size, stride and offset over the bytes."""

@@ -26,12 +26,14 @@ from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.matching import MatchCounts, PolicyMatcher
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor
 from chameleon_dist.policy.model import Policy
+from chameleon_dist.trace.writes import WrittenTensors
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,22 @@ class SwapObserver(Protocol):
     def op_count(self) -> int: ...
 
 
+class WriteWatch(TorchDispatchMode):
+    """Reports every in-place write to ``on_write`` (for an executor used without the runtime, whose
+    profiler already reports writes from its own dispatch mode)."""
+
+    def __init__(self, on_write: Callable[[list[torch.Tensor]], None]) -> None:
+        super().__init__()
+        self._on_write = on_write
+        self._written = WrittenTensors()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        written = self._written.of(func, args, kwargs)
+        if written:
+            self._on_write(written)
+        return func(*args, **(kwargs or {}))
+
+
 class SwapExecutor:
     """Installs the swap hooks for one iteration at a time (``active()``)."""
 
@@ -83,6 +101,9 @@ class SwapExecutor:
         self._protected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._protected_keys: set[int] = set()
         self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
+        # storage key -> the entries whose bytes live there (swapped originals, restored copies): an
+        # in-place write to one is counted on them (``note_writes``)
+        self._watched: dict[int, list[weakref.ReferenceType[SwapEntry]]] = {}
         self._order: list[weakref.ReferenceType[SwapEntry]] = []
         self._host_budget_warned = False
         self._swapped_since_release = False
@@ -120,8 +141,10 @@ class SwapExecutor:
             self.matcher = PolicyMatcher(policy)
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[SwapCounters]:
-        """Swap during the block; yields this iteration's counters."""
+    def active(self, writes_reported: bool = False) -> Iterator[SwapCounters]:
+        """Swap during the block; yields this iteration's counters. In-place writes must reach
+        ``note_writes``: pass ``writes_reported=True`` when a dispatch mode of the caller's reports them
+        (the runtime's profiler does), else the executor watches for them with a dispatch mode of its own."""
         self.counters = SwapCounters()
         if self.matcher is not None:
             self.matcher.reset()
@@ -129,12 +152,42 @@ class SwapExecutor:
         self._refresh_protected()
         self._swapped_since_release = False
         self._clear()
+        watch = contextlib.nullcontext() if writes_reported else WriteWatch(self.note_writes)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with watch, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self.counters
             self.device.release_pending()
         finally:
             self._clear()
+
+    def note_writes(self, tensors) -> None:
+        """An op is about to write ``tensors`` in place: count it on every entry whose bytes live in one
+        of their storages, so that unpacking a tensor saved before the write raises (``check_version``)."""
+        watched = self._watched
+        if not watched:
+            return
+        for tensor in tensors:
+            if tensor.layout != torch.strided:
+                continue
+            refs = watched.get(storage_key(tensor.untyped_storage()))
+            if refs:
+                for ref in refs:
+                    entry = ref()
+                    if entry is not None:
+                        entry.writes += 1
+
+    def _watch(self, storage: torch.UntypedStorage, entry: SwapEntry) -> None:
+        key = storage_key(storage)
+        refs = self._watched.get(key)
+        if refs is None:
+            refs = self._watched[key] = []
+            weakref.finalize(storage, self._forget, key)
+        refs.append(weakref.ref(entry))
+
+    def _forget(self, key: int) -> None:
+        """A watched storage died (its address may be reused by an unrelated one)."""
+        self._by_storage.pop(key, None)
+        self._watched.pop(key, None)
 
     def new_attempt(self) -> None:
         """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
@@ -150,6 +203,7 @@ class SwapExecutor:
 
     def _clear(self) -> None:
         self._by_storage.clear()
+        self._watched.clear()
         self._order.clear()
         self._ordinals.clear()
         self._next_ordinal = 0
@@ -237,11 +291,11 @@ class SwapExecutor:
                 )
                 self._host_budget_warned = True
             return None
-        entry = SwapEntry(self.device, handle, tensor._version, position=len(self._order))
+        entry = SwapEntry(self.device, handle, tensor._version, position=len(self._order), source=storage)
         if self.observer is not None:
             entry.trace_index = self.observer.on_swap_out(storage)
         self._by_storage[key] = weakref.ref(entry)
-        weakref.finalize(storage, self._by_storage.pop, key, None)
+        self._watch(storage, entry)
         self._order.append(weakref.ref(entry))
         self.counters.swap_out_bytes += entry.nbytes
         self.counters.swapped_storages += 1
@@ -273,6 +327,8 @@ class SwapExecutor:
                 self.counters.on_demand += 1
             self._swap_in(entry)
             entry.finish_swap_in()
+            if not entry.reused_source:  # a restored copy: backward may write it (a retained graph re-reads)
+                self._watch(entry.device_bytes.untyped_storage(), entry)
             if not entry.planned:
                 self._prefetch_before(entry)
         tensor = packed.rebuild(entry.device_bytes)

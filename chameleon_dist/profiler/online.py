@@ -64,10 +64,15 @@ class OnlineProfiler:
 
     @contextlib.contextmanager
     def observe(
-        self, iteration: int, models: Iterable[nn.Module], parameter_keys: Callable[[], set[int]]
+        self,
+        iteration: int,
+        models: Iterable[nn.Module],
+        parameter_keys: Callable[[], set[int]],
+        on_write: Callable[[list], None] | None = None,
     ) -> Iterator[Observation]:
         """Signature always; a detailed recorder in WarmUp, which then takes the signature too (one
-        dispatch mode instead of two). Enter after the device's metering."""
+        dispatch mode instead of two). Enter after the device's metering. ``on_write`` hears of every
+        tensor an op writes in place (the swap executor must know; no second dispatch mode needed)."""
         stage = self.stages.stage
         ids: list[int] = []
         if stage == WARMUP:
@@ -76,9 +81,10 @@ class OnlineProfiler:
             for model in models:
                 recorder.watch_modules(model)
             mode = recorder
+            recorder.on_write = on_write
         else:
             recorder = None
-            mode = SignatureMode(self.vocabulary, self.scope, ids)
+            mode = SignatureMode(self.vocabulary, self.scope, ids, on_write)
         observation = Observation(stage, ids, recorder)
         try:
             with mode:

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import OpVocabulary
+from chameleon_dist.trace.writes import WrittenTensors
 from chameleon_dist.trace.step_trace import (
     BACKWARD,
     FORWARD,
@@ -69,6 +70,8 @@ class TraceRecorder(TorchDispatchMode):
         self.saves: list[tuple[int, int]] = []
         self.module_paths: list[str] = []
         self.optimizer_active = False
+        self.on_write: Callable[[list[torch.Tensor]], None] | None = None  # hears of in-place writes
+        self._written = WrittenTensors()
         self._tensor_ids: dict[tuple, int] = {}
         # storage address -> (storage id, weak reference): an address is reused once its storage died, and
         # storages from before the iteration are not followed to their death, so identity is checked
@@ -146,6 +149,10 @@ class TraceRecorder(TorchDispatchMode):
     # The hot path of profiling iterations: flat scans instead of pytree (aten schemas nest at most one
     # list deep), tuples instead of records, one weak reference per new storage.
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on_write is not None:  # the swap executor hears of in-place writes (see trace.writes)
+            written = self._written.of(func, args, kwargs)
+            if written:
+                self.on_write(written)
         if self._scope.paused:
             return func(*args, **kwargs) if kwargs else func(*args)
         name_id = self._id_of(func)

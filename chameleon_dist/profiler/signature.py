@@ -16,11 +16,13 @@ backward differ by at least ``length_change``. ``major`` is the older name of ``
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.profiler.scope import TrainingScope
+from chameleon_dist.trace.writes import WrittenTensors
 
 
 class OpVocabulary:
@@ -50,13 +52,25 @@ class OpVocabulary:
 class SignatureMode(TorchDispatchMode):
     """Records the op-id sequence of one iteration (a few list appends per op)."""
 
-    def __init__(self, vocabulary: OpVocabulary, scope: TrainingScope | None = None, ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        vocabulary: OpVocabulary,
+        scope: TrainingScope | None = None,
+        ids: list[int] | None = None,
+        on_write: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
         super().__init__()
         self.ids: list[int] = [] if ids is None else ids
         self._id_of = vocabulary.id_of
         self._scope = scope if scope is not None else TrainingScope()
+        self.on_write = on_write  # hears of every tensor an op writes in place (see trace.writes)
+        self._written = WrittenTensors()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on_write is not None:
+            written = self._written.of(func, args, kwargs)
+            if written:
+                self.on_write(written)
         scope = self._scope
         if not scope.paused:
             op_id = self._id_of(func)
@@ -96,6 +110,11 @@ class Comparison:
     changed: bool  # the paper's test failed (length, cosine or saved bytes): a new policy is needed
     reason: str
 
+    @property
+    def major(self) -> bool:
+        """The older name of ``changed``."""
+        return self.changed
+
 
 def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     """Cosine of two integer sequences, the shorter one zero-padded to the longer one's length."""
@@ -109,11 +128,6 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     y[: b.numel()] = b.to(torch.float64) + 1
     denominator = float(x.norm() * y.norm())
     return float(x @ y) / denominator if denominator else 1.0
-
-    @property
-    def major(self) -> bool:
-        """The older name of ``changed``."""
-        return self.changed
 
 
 def _relative(new: float, old: float) -> float:
