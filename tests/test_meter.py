@@ -119,3 +119,21 @@ def test_tensors_made_from_python_data_are_counted():
         table = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int64)
         assert meter.live_bytes == F32 + 6 * 8
     del step, table
+
+
+def test_out_of_memory_message_says_whether_swapping_is_on():
+    """Without a pressure handler (Chameleon disabled or absent) the advice is to enable swapping; with one
+    installed, swapping is on already and could not free enough, so it must not say "enable"."""
+    meter = StorageMeter(capacity_bytes=100 * F32)
+    with meter, pytest.raises(EmulatedOutOfMemoryError) as off:
+        torch.empty(101)
+    assert not off.value.swapping
+    assert "swapping is off" in str(off.value) and "enabled: true" in str(off.value)
+
+    meter.pressure_handler = lambda short_bytes: 0  # what the runtime installs when enabled
+    with meter, pytest.raises(EmulatedOutOfMemoryError) as on:
+        torch.empty(101)
+    assert on.value.swapping
+    message = str(on.value)
+    assert "swapping is on" in message and "nable" not in message
+    assert "min_swap_bytes" in message and "device.capacity" in message

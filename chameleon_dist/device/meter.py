@@ -24,19 +24,34 @@ from chameleon_dist.units import format_bytes
 
 
 class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
-    """The emulated device ran out of memory; carries where and by how much."""
+    """The emulated device ran out of memory; carries where and by how much, and whether swapping was on
+    (a pressure handler installed: the runtime installs one only when ``enabled``)."""
 
-    def __init__(self, op_name: str, op_index: int, requested_bytes: int, live_bytes: int, capacity_bytes: int):
+    def __init__(
+        self,
+        op_name: str,
+        op_index: int,
+        requested_bytes: int,
+        live_bytes: int,
+        capacity_bytes: int,
+        swapping: bool = False,
+    ):
         self.op_name = op_name
         self.op_index = op_index
         self.requested_bytes = requested_bytes
         self.live_bytes = live_bytes
         self.capacity_bytes = capacity_bytes
+        self.swapping = swapping
+        if swapping:
+            advice = ("Chameleon swapping is on and could not free enough: lower min_swap_bytes or the "
+                      "micro-batch size, or raise device.capacity.")
+        else:
+            advice = ("Chameleon swapping is off on this device: turn it on (enabled: true) or raise "
+                      "device.capacity.")
         super().__init__(
             f"emulated device out of memory in {op_name} (op #{op_index}): tried to allocate "
             f"{format_bytes(requested_bytes)} with {format_bytes(live_bytes)} live of "
-            f"{format_bytes(capacity_bytes)} capacity (device.capacity). Enable chameleon swapping, "
-            f"lower min_swap_bytes, or raise device.capacity."
+            f"{format_bytes(capacity_bytes)} capacity (device.capacity). {advice}"
         )
 
 
@@ -166,7 +181,8 @@ class StorageMeter(TorchDispatchMode):
         with self._lock:
             if added_bytes > 0 and self._live_bytes + added_bytes > self.capacity_bytes:
                 raise EmulatedOutOfMemoryError(
-                    str(func), self.op_index, added_bytes, self._live_bytes, self.capacity_bytes
+                    str(func), self.op_index, added_bytes, self._live_bytes, self.capacity_bytes,
+                    swapping=self.pressure_handler is not None,
                 )
             for key, (storage, nbytes) in changed.items():
                 self._register_locked(storage, key, nbytes)
