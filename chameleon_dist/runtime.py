@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch import nn
 
-from chameleon_dist.config import ChameleonConfig, load_config
-from chameleon_dist.device.base import Device
+from chameleon_dist.config import ChameleonConfig, ConfigError, load_config, physical_memory_bytes
+from chameleon_dist.config.checks import model_fit_problem, runtime_problems
+from chameleon_dist.device.base import Device, module_device_bytes
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.executor.swap import SwapCounters, SwapExecutor
 from chameleon_dist.executor.trials import PolicyTrials
@@ -59,6 +60,10 @@ class Chameleon:
     ) -> None:
         self.config = load_config(config)
         self.device = device if device is not None else make_device(self.config)
+        problems = runtime_problems(self.config, self.device, device_passed=device is not None,
+                                    host_total_bytes=physical_memory_bytes())
+        if problems:
+            raise ConfigError(problems)
         self.process_groups = process_groups
         self.memory_budget_bytes = self.config.memory_budget_bytes(self.device.capacity_bytes)
         self.executor = SwapExecutor(
@@ -108,8 +113,17 @@ class Chameleon:
         return self.profiler.last_trace
 
     def attach(self, model: nn.Module) -> nn.Module:
-        """Count ``model``'s parameters as device memory and keep them out of the swap path."""
+        """Count ``model``'s parameters as device memory and keep them out of the swap path. Attaching
+        a model again does nothing. A model whose parameters and buffers leave no room on the device is
+        refused with a ConfigError naming device.capacity (the emulated device keeps counting it until
+        it is freed)."""
+        if model in self._models:
+            return model
         self.device.track_module(model)
+        problem = model_fit_problem(type(model).__name__, module_device_bytes(model, self.device),
+                                    self.device.live_bytes(), self.device.capacity_bytes)
+        if problem is not None:
+            raise ConfigError([problem])
         self.executor.protect(model)
         self.profiler.scope.watch(model)
         self._models.add(model)

@@ -138,13 +138,13 @@ def test_file_problems_name_the_path(tmp_path):
 def test_sizes_and_budgets_are_normalised():
     config = load_config({
         "memory_budget": "6GB", "host_memory_budget": 0.25, "min_swap_bytes": "800kB",
-        "device": {"capacity": "2GiB", "h2d_bytes_per_s": "25GB", "d2h_bytes_per_s": 12_000_000_000},
+        "device": {"capacity": "8GiB", "h2d_bytes_per_s": "25GB", "d2h_bytes_per_s": 12_000_000_000},
     })
     assert config.memory_budget == 6 * 10**9 and isinstance(config.memory_budget, int)
     assert config.host_memory_budget == 0.25 and isinstance(config.host_memory_budget, float)
     assert config.min_swap_bytes == 800_000
     assert (config.device.capacity, config.device.h2d_bytes_per_s, config.device.d2h_bytes_per_s) == (
-        2 * 2**30, 25 * 10**9, 12 * 10**9
+        8 * 2**30, 25 * 10**9, 12 * 10**9
     )
     assert load_config({"device": {"preset": " H100-PCIe "}}).device.preset == "h100-pcie"
 
@@ -253,6 +253,56 @@ def test_all_problems_are_reported_together():
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"enabled": "yes"}, "enabled: 'yes' is not valid: input should be a valid boolean; use true or false"),
+        ({"enabled": 1}, "enabled: 1 is not valid: input should be a valid boolean"),
+        ({"executor": {"prefetch_depth": "2"}},
+         "executor.prefetch_depth: '2' is not valid: input should be a valid integer; use a whole number >= 0"),
+        ({"executor": {"max_oom_retries": 3.0}}, "executor.max_oom_retries: 3.0 is not valid: input should be a valid integer"),
+        ({"profiler": {"policy_trials": "5"}}, "profiler.policy_trials: '5' is not valid: input should be a valid integer"),
+    ],
+)
+def test_booleans_and_whole_numbers_are_strict(data, expected):
+    assert only_problem(data).startswith(expected)
+
+
+@pytest.mark.parametrize("value", [0, 1, 90, "1", "100"])
+def test_a_bare_small_integer_budget_is_rejected_with_what_to_write(value):
+    problem = only_problem({"memory_budget": value})
+    assert problem.startswith(f"memory_budget: {value} would be {int(value)} bytes") or \
+        problem.startswith(f"memory_budget: {value!r} would be {int(value)} bytes"), problem
+    assert "0.9" in problem and '"40GB"' in problem
+    assert only_problem({"host_memory_budget": value}).startswith("host_memory_budget: ")
+
+
+def test_budgets_that_are_meant_still_load():
+    for budget in (1.0, 0.9, "1.0", "auto", "64B", "512MiB", 10**9, "1000"):
+        load_config({"memory_budget": budget})
+    assert load_config({"memory_budget": "64B"}).memory_budget == 64, "an explicit unit means bytes"
+    assert load_config({"memory_budget": "64MiB", "device": {"capacity": "64MiB"}}).memory_budget == 64 * 2**20
+
+
+def test_memory_budget_above_the_configured_capacity_names_both_numbers():
+    problem = only_problem({"memory_budget": "128MiB", "device": {"kind": "emulated", "capacity": "64MiB"}})
+    assert problem.startswith("memory_budget: 128MiB (134217728 bytes) is above device.capacity 64MiB (67108864 bytes)")
+    assert "fraction" in problem
+
+
+def test_memory_budget_above_capacity_is_reported_with_the_other_problems():
+    problems = problems_of({"enabled": "yes", "memory_budget": "128MiB", "device": {"capacity": "64MiB"},
+                            "executor": {"prefetch_depth": "2"}})
+    assert sorted(p.split(":")[0] for p in problems) == ["enabled", "executor.prefetch_depth", "memory_budget"]
+
+
+def test_memory_budget_above_capacity_is_rejected_on_assignment():
+    config = load_config({"device": {"capacity": "64MiB"}})
+    with pytest.raises(ConfigError, match=r"^memory_budget: 128MiB \(134217728 bytes\) is above device.capacity"):
+        config.memory_budget = "128MiB"
+    assert config.memory_budget == "auto" and "memory_budget" not in config.model_fields_set
+
+
 def test_direct_construction_raises_config_error():
     with pytest.raises(ConfigError) as info:
         ChameleonConfig(memory_budget="x", device={"capcity": 1})
@@ -310,6 +360,8 @@ def test_from_deepspeed_config_errors_are_prefixed():
     with pytest.raises(ConfigError) as info:
         ChameleonConfig.from_deepspeed_config({"chameleon": {"memory_budget": 0, "device": {"capcity": 1}, "x": 1.5}})
     assert info.value.problems == [
+        "chameleon.memory_budget: 0 would be 0 bytes; for a share of device capacity write a fraction such as "
+        "0.9 (or \"auto\"), for a size write it with a unit such as \"40GB\"",
         "chameleon.device.capcity: unknown setting; did you mean 'capacity'?",
         "chameleon.x: unknown setting; the settings here are: enabled, memory_budget, host_memory_budget, "
         "min_swap_bytes, profiler, device, executor",

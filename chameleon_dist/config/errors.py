@@ -2,7 +2,8 @@
 
 Every line names the dotted setting (``device.capacity``), what was wrong and what to write instead.
 Validators in :mod:`chameleon_dist.config.schema` raise ``PydanticCustomError`` of type
-:data:`CUSTOM_ERROR` whose message already says both; pydantic's own errors (wrong type, out of range,
+:data:`CUSTOM_ERROR` whose message already says both (its ``field`` or ``sibling`` context names the
+setting when a model or another field's validator raised it); pydantic's own errors (wrong type, out of range,
 unknown key) are completed here from the field's ``hint`` and, for unknown keys, a difflib close match.
 """
 
@@ -117,6 +118,10 @@ def _describe(error: dict, root: type[BaseModel] | None, loc: Loc) -> tuple[Loc,
     ctx = error.get("ctx") or {}
     parent, name = loc[:-1], (loc[-1] if loc else "")
     if kind == CUSTOM_ERROR:
+        if ctx.get("field"):  # raised by a model validator about one of its fields
+            loc = loc + (ctx["field"],)
+        elif ctx.get("sibling"):  # raised by a field validator about another field of the same model
+            loc = parent + (ctx["sibling"],)
         hint = _hint(_section_model(root, parent), name) if ctx.get("add_hint") else None
         return loc, f"{ctx['message']}; {hint}" if hint else ctx["message"]
     if kind == CONFLICT_ERROR:

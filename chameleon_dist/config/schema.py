@@ -13,10 +13,21 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from chameleon_dist.config import sizes
+from chameleon_dist.config.checks import SMALL_BUDGET_MAX, budget_over_total_problem, small_budget_problem
 from chameleon_dist.config.errors import CONFLICT_ERROR, CUSTOM_ERROR, ConfigError
 
 if TYPE_CHECKING:
@@ -61,9 +72,12 @@ def _budget_validator(total: str):
 
     def validate(value: Any) -> sizes.Budget:
         try:
-            return sizes.parse_budget(value)
+            budget = sizes.parse_budget(value)
         except sizes.SizeError as exc:
             raise _custom(f"{exc}; {use}") from None
+        if sizes.is_bare_integer(value) and budget <= SMALL_BUDGET_MAX:  # 1 meant as 100%, 90 as 90%
+            raise _custom(small_budget_problem(value, budget, total))
+        return budget
 
     return BeforeValidator(validate)
 
@@ -87,7 +101,7 @@ OptionalCapacityBytes = Annotated[
 OptionalRateBytesPerS = Annotated[
     int | None, _size_validator(_RATE_USE + ", or null", per_second=True, positive=True, optional=True)
 ]
-Count = Annotated[int, BeforeValidator(_no_bool)]
+Count = Annotated[int, BeforeValidator(_no_bool), Strict()]  # "2" and 2.0 are mistakes in a config file
 
 
 def _known_preset(value: Any) -> Any:
@@ -121,9 +135,15 @@ class _Section(BaseModel):
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     def __setattr__(self, name: str, value: Any) -> None:
+        before = self.__dict__.get(name)
+        was_set = name in self.model_fields_set
         try:
             super().__setattr__(name, value)
         except ValidationError as exc:
+            if name in type(self).model_fields:  # a model validator may fail after the value was stored
+                self.__dict__[name] = before
+                if not was_set:
+                    self.model_fields_set.discard(name)
             raise ConfigError.from_validation_error(exc, model=type(self)) from None
 
 
@@ -193,7 +213,7 @@ class ChameleonConfig(_Section):
     ``from_*`` constructors; every problem is reported at once in one :class:`ConfigError`."""
 
     enabled: bool = Field(
-        True, description="Swap activations (False: only measure).",
+        True, strict=True, description="Swap activations (False: only measure).",
         json_schema_extra=_hint("use true or false"),
     )
     memory_budget: DeviceBudget = Field("auto", description='Device memory to stay under; "auto" = 90% of capacity.')
@@ -202,6 +222,25 @@ class ChameleonConfig(_Section):
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _capacity_holds_budget(cls, device: DeviceConfig, info: ValidationInfo) -> DeviceConfig:
+        """Checked here (not after the whole model) so that it is reported with any other problem."""
+        problem = budget_over_total_problem(info.data.get("memory_budget"), device.capacity, "device.capacity",
+                                            "memory_budget")
+        if problem is not None:
+            raise PydanticCustomError(CUSTOM_ERROR, "{message}", {"message": problem, "sibling": "memory_budget"})
+        return device
+
+    @model_validator(mode="after")
+    def _budget_fits_capacity(self) -> "ChameleonConfig":
+        """The same check when a setting is assigned after construction."""
+        problem = budget_over_total_problem(self.memory_budget, self.device.capacity, "device.capacity",
+                                            "memory_budget")
+        if problem is not None:
+            raise PydanticCustomError(CUSTOM_ERROR, "{message}", {"message": problem, "field": "memory_budget"})
+        return self
 
     def memory_budget_bytes(self, capacity_bytes: int) -> int:
         """The device budget in bytes for a device of ``capacity_bytes``."""

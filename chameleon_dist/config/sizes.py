@@ -119,6 +119,15 @@ def parse_budget(value: object) -> Budget:
     return parse_size_bytes(value)
 
 
+def is_bare_integer(value: object) -> bool:
+    """True for an int (not a bool) or a string holding only a whole number: bytes without a unit."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, str) and value.strip().lstrip("+").isdigit()
+
+
 def resolve_budget_bytes(budget: Budget, total_bytes: int, auto_fraction: float) -> int:
     """Bytes for ``budget`` against ``total_bytes`` (``"auto"`` is ``auto_fraction`` of it).
 

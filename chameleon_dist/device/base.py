@@ -21,6 +21,16 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def module_device_bytes(module: nn.Module, device: "Device") -> int:
+    """Bytes of ``module``'s parameters and buffers that live on ``device`` (each storage counted once)."""
+    storages: dict[int, int] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if device.is_device_tensor(tensor):
+            storage = tensor.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
+
+
 class CopyHandle(Protocol):
     """One asynchronous copy. ``result`` is the destination byte view (valid once complete)."""
 

@@ -1,0 +1,99 @@
+"""Checks of budgets against the memory they budget, and of a passed device against the config.
+
+Each function returns a problem line (without the setting's path) or ``None`` / a list of
+``"path: problem"`` lines, so that callers report every problem at once in one ``ConfigError``. The
+schema runs what it can know from the config alone (a byte budget above ``device.capacity``); the runtime
+runs the rest once the device exists (a device passed to ``Chameleon(device=...)``, the real capacity,
+this machine's RAM). Devices are duck-typed: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chameleon_dist.config.sizes import Budget, format_size
+
+SMALL_BUDGET_MAX = 100
+"""A bare integer budget up to this many bytes is taken for a mistake (a percentage or 1 meant as 100%)."""
+
+PASSED_DEVICE = "the device passed to Chameleon(device=...)"
+
+
+def _bytes(nbytes: int) -> str:
+    return f"{format_size(nbytes)} ({nbytes} bytes)"
+
+
+def small_budget_problem(value: Any, budget_bytes: int, total: str) -> str:
+    """The line for a bare integer budget of ``budget_bytes`` <= SMALL_BUDGET_MAX (``total``: what it shares)."""
+    return (f"{value!r} would be {budget_bytes} bytes; for a share of {total} write a fraction such as 0.9 "
+            '(or "auto"), for a size write it with a unit such as "40GB"')
+
+
+def budget_over_total_problem(budget: Budget, total_bytes: int | None, total: str, what: str) -> str | None:
+    """A byte budget above ``total_bytes`` (fractions and "auto" always fit). ``total`` names the total
+    (e.g. "device.capacity"), ``what`` the setting to change."""
+    if total_bytes is None or not isinstance(budget, int) or isinstance(budget, bool) or budget <= total_bytes:
+        return None
+    return (f"{_bytes(budget)} is above {total} {_bytes(total_bytes)}; lower {what}, or write a fraction "
+            f"of it such as 0.9")
+
+
+def device_conflicts(settings: Any, device: Any) -> list[str]:
+    """``"device.<field>: ..."`` for each field the user set in the config's ``device`` section (pydantic's
+    ``model_fields_set``, values other than null/"auto") that the passed ``device`` contradicts."""
+    problems = []
+    given = {name for name in settings.model_fields_set if getattr(settings, name) not in (None, "auto")}
+    emulated = bool(getattr(device, "emulated", False))
+
+    def conflict(name: str, config_text: str, device_text: str) -> None:
+        problems.append(
+            f"device.{name}: the config sets {config_text} but {PASSED_DEVICE} has {device_text}; remove "
+            f"device.{name} from the config or pass a device that matches it"
+        )
+
+    if "kind" in given and (settings.kind == "emulated") != emulated:
+        conflict("kind", repr(settings.kind), "kind 'emulated'" if emulated else "kind 'cuda'")
+    if "capacity" in given and settings.capacity != device.capacity_bytes:
+        conflict("capacity", _bytes(settings.capacity), f"capacity {_bytes(device.capacity_bytes)}")
+    for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
+        link = getattr(device, name[:3], None)  # only the emulated device has its own link to compare
+        if name in given and link is not None:
+            rate = link.bytes_per_s
+            if rate is None or float(rate) != float(getattr(settings, name)):
+                device_rate = "an instant link" if rate is None else f"{name} {rate:.6g}"
+                conflict(name, f"{getattr(settings, name)} bytes per second", device_rate)
+    if "preset" in given and emulated:
+        calibration = getattr(device, "calibration", None)
+        preset = None if calibration is None else calibration.preset.name
+        if preset != settings.preset:
+            conflict("preset", repr(settings.preset), "no preset" if preset is None else f"preset {preset!r}")
+    return problems
+
+
+def runtime_problems(config: Any, device: Any, *, device_passed: bool, host_total_bytes: int | None) -> list[str]:
+    """Every ``"path: problem"`` the runtime finds once ``device`` exists: a byte ``memory_budget`` above
+    the device's capacity, a byte ``host_memory_budget`` above ``host_total_bytes`` (this machine's RAM;
+    None = unknown), and, when ``device_passed``, config ``device`` settings that contradict it."""
+    problems = []
+    budget = budget_over_total_problem(config.memory_budget, device.capacity_bytes,
+                                       "the device's capacity (device.capacity)", "memory_budget")
+    if budget is not None:
+        problems.append(f"memory_budget: {budget}")
+    host = budget_over_total_problem(config.host_memory_budget, host_total_bytes, "this machine's RAM",
+                                     "host_memory_budget")
+    if host is not None:
+        problems.append(f"host_memory_budget: {host}")
+    if device_passed:
+        problems.extend(device_conflicts(config.device, device))
+    return problems
+
+
+def model_fit_problem(model_name: str, model_bytes: int, live_bytes: int, capacity_bytes: int) -> str | None:
+    """``attach()`` of a model whose parameters and buffers (``model_bytes``; ``live_bytes`` on the
+    device in all) leave no room on a device of ``capacity_bytes``: every iteration would fail."""
+    if live_bytes <= capacity_bytes and model_bytes <= capacity_bytes:
+        return None
+    others = f" ({_bytes(live_bytes)} on the device in all)" if live_bytes != model_bytes else ""
+    return (f"device.capacity: the parameters and buffers of {model_name} take {_bytes(model_bytes)}{others}, "
+            f"more than the device's capacity {_bytes(capacity_bytes)}; raise device.capacity (or pass a "
+            "device with more memory), or shard the model")
