@@ -3,7 +3,9 @@
 Three runs of the same model and data: (1) a reference on an unconstrained emulated device, (2) without
 Chameleon on a device smaller than the model's unswapped peak (runs out of memory), (3) with Chameleon on
 that device (trains; losses and final parameters bit-identical to the reference). Writes a run folder
-with ``report.json`` and ``memory.png``.
+with ``report.json`` and ``memory.png``: live device memory after every op of the model in the first
+Stable iteration (under the chosen policy), without and with Chameleon, and the run with Chameleon's
+WarmUp iteration 2 (swaps every eligible tensor), all on one x axis of the model's own ops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from chameleon_dist.cli.plot import Curve, plot_memory
 from chameleon_dist.config import ConfigError
 from chameleon_dist.units import format_bytes
 
@@ -67,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     # every model build; on a CPU demo that is noise.
     warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
     from chameleon_dist.cli import train_job  # imports Megatron: after argument parsing
-    from chameleon_dist.cli.plot import plot_memory
 
     try:
         job = train_job.load_job(args.config, _overrides(args))
@@ -93,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     print("[1/3] reference: unconstrained emulated device, no swapping", flush=True)
-    reference = train_job.train(job, "reference", disabled, train_job.unconstrained_device(), _progress_line)
+    reference = train_job.train(
+        job, "reference", train_job.for_unconstrained_device(disabled), train_job.unconstrained_device(), _progress_line
+    )
     print(f"[2/3] without Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
     without = train_job.train(job, "without", disabled, train_job.constrained_device(disabled))
     print("  " + _outcome(without, settings.iterations), flush=True)
@@ -108,15 +112,14 @@ def main(argv: list[str] | None = None) -> int:
             f"note: without Chameleon the run fit in {format_bytes(device.capacity_bytes)}; set "
             f"chameleon.device.capacity below the reference peak ({format_bytes(reference.peak_bytes())}) to see the contrast"
         )
+    curves = _curves(reference, with_chameleon)
     plot = plot_memory(
         run_dir / "memory.png",
-        {
-            f"without swap (reference, peak {_mib(reference.peak_bytes())} MiB)": reference.timeline_bytes,
-            f"with Chameleon (peak {_mib(with_chameleon.peak_bytes())} MiB)": with_chameleon.timeline_bytes,
-        },
+        [curve for curve, _ in curves],
         device.capacity_bytes,
-        f"GPT {shape.num_layers}x{shape.hidden_size}, iteration {settings.timeline_iteration}: device memory (emulated)",
+        f"GPT {shape.num_layers}x{shape.hidden_size}: device memory per op of the model (emulated)",
     )
+    print(_plot_note(curves, settings, config))
     report = {
         "emulated": True,
         "job": job.model_dump(mode="json"),
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                    "h2d_bytes_per_s": device.h2d.bytes_per_s, "d2h_bytes_per_s": device.d2h.bytes_per_s},
         "runs": {result.label: _run_json(result) for _, result in runs},
         "parity": {**vars(parity), "bit_identical": parity.bit_identical},
+        "plot": {"file": plot.name, "curves": [_curve_json(curve, run, timeline) for curve, (run, timeline) in curves]},
     }
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     print(f"run folder: {run_dir}/ (report.json, {plot.name})")
@@ -182,7 +186,52 @@ def _run_json(result) -> dict:
         "peak_device_bytes": result.peak_bytes(),
         "wall_s": result.wall_s,
         "iterations": [r.to_dict() for r in result.reports],
-        "timeline_bytes": result.timeline_bytes,
+    }
+
+
+def _curves(reference, with_chameleon) -> list[tuple[Curve, tuple[str, object]]]:
+    """What memory.png shows, each curve with its run's label and its ``Timeline``: the reference and the
+    run with Chameleon in the plotted iteration (a Stable one under the chosen policy, unless the job is
+    too short or ``train.timeline_iteration`` names another), and the WarmUp iteration of the run with
+    Chameleon, which swaps every eligible tensor. Each legend peak is the maximum of its own curve."""
+    chosen = []
+    for name, result, timeline, style in (
+        ("without swap (reference)", reference, reference.timeline, "-"),
+        ("with Chameleon", with_chameleon, with_chameleon.timeline, "-"),
+        ("with Chameleon", with_chameleon, with_chameleon.warmup_timeline, ":"),
+    ):
+        if timeline is None or any(run == result.label and t.iteration == timeline.iteration for _, (run, t) in chosen):
+            continue
+        label = (f"{name}, iteration {timeline.iteration} ({timeline.stage}, {_swapping(result.label, timeline)}): "
+                 f"peak {_mib(timeline.peak_bytes)} MiB")
+        chosen.append((Curve(label, timeline.samples_bytes, style), (result.label, timeline)))
+    return chosen
+
+
+def _swapping(run: str, timeline) -> str:
+    if run == "reference":
+        return "nothing swapped"
+    if timeline.policy:
+        return f"policy {timeline.policy}"
+    return "swaps every saved activation >= min_swap_bytes" if timeline.stage == "warmup" else "no policy"
+
+
+def _plot_note(curves, settings, config) -> str:
+    """What memory.png shows, in one line, and why it shows no Stable iteration if it does not."""
+    shown = "; ".join(f"{run} iteration {t.iteration} ({t.stage}{', policy ' + t.policy if t.policy else ''})"
+                      for _, (run, t) in curves)
+    line = f"memory.png: device memory after every op of the model: {shown or 'no iteration recorded'}"
+    if any(run == "with" and t.stage == "stable" and t.policy for _, (run, t) in curves) or settings.timeline_iteration:
+        return line
+    first_stable = config.profiler.warmup_iterations + config.profiler.policy_trials + 1
+    return (f"{line}\nnote: no Stable iteration under a policy to plot: the first one would be iteration "
+            f"{first_stable} (profiler.warmup_iterations + profiler.policy_trials + 1); raise train.iterations")
+
+
+def _curve_json(curve, run: str, timeline) -> dict:
+    return {
+        "label": curve.label, "run": run, "iteration": timeline.iteration, "stage": timeline.stage,
+        "policy": timeline.policy, "peak_bytes": timeline.peak_bytes, "samples_bytes": timeline.samples_bytes,
     }
 
 

@@ -12,16 +12,21 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError
 
-from chameleon_dist.config import ChameleonConfig, ConfigError
+from chameleon_dist.cli.timeline import ModelOpTimeline, sampling
+from chameleon_dist.config import ChameleonConfig, ConfigError, DeviceConfig
 from chameleon_dist.device import EmulatedDevice, EmulatedOutOfMemoryError
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
 from chameleon_dist.integrations.megatron.gpt import GPTShape, build_gpt, gpt_loss, megatron_cpu_session, synthetic_batch
+from chameleon_dist.profiler import STABLE, WARMUP
 from chameleon_dist.report import IterationReport
 from chameleon_dist.runtime import Chameleon
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_JOB = Path(__file__).resolve().parents[2] / "configs" / "jobs" / "train_gpt_cpu.yaml"
+# The WarmUp curve of the run with Chameleon: iteration 1 also creates Adam's state (more ops), so the
+# first iteration with the same ops as every later one is 2, a WarmUp iteration with the default settings.
+WARMUP_TIMELINE_ITERATION = 2
 
 
 class TrainSettings(BaseModel):
@@ -31,7 +36,8 @@ class TrainSettings(BaseModel):
     micro_batches: PositiveInt = 1
     lr: PositiveFloat = 1e-3
     seed: int = 1234
-    timeline_iteration: PositiveInt = 2
+    # the iteration plotted in memory.png; None: the first Stable one (under the chosen policy with Chameleon)
+    timeline_iteration: PositiveInt | None = None
 
 
 class TrainJob(BaseModel):
@@ -82,15 +88,30 @@ class OutOfMemory:
     capacity_bytes: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Live device bytes after every op of the model in one iteration (``cli.timeline``)."""
+
+    iteration: int
+    stage: str
+    policy: str  # "" = no policy (WarmUp swaps every eligible tensor; without Chameleon nothing)
+    samples_bytes: list[int]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.samples_bytes, default=0)
+
+
 @dataclasses.dataclass
 class RunResult:
     label: str
     losses: list[torch.Tensor]
     reports: list[IterationReport]
-    timeline_bytes: list[int]
     out_of_memory: OutOfMemory | None
     final_parameters: list[torch.Tensor]
     wall_s: float
+    timeline: Timeline | None = None  # the plotted iteration (``TrainSettings.timeline_iteration``)
+    warmup_timeline: Timeline | None = None  # with Chameleon: iteration 2 when it runs in WarmUp
 
     @property
     def completed(self) -> int:
@@ -108,6 +129,12 @@ ProgressFn = Callable[[RunResult, IterationReport, torch.Tensor], None]
 
 def unconstrained_device() -> EmulatedDevice:
     return EmulatedDevice(capacity_bytes=UNBOUNDED_CAPACITY_BYTES)
+
+
+def for_unconstrained_device(config: ChameleonConfig) -> ChameleonConfig:
+    """``config`` without its ``device`` section (capacity, link), which describes the constrained device:
+    ``Chameleon`` refuses a config whose device settings differ from the device it is given."""
+    return config.model_copy(update={"device": DeviceConfig()})
 
 
 def constrained_device(config: ChameleonConfig) -> EmulatedDevice:
@@ -138,7 +165,7 @@ def _train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedD
     chameleon = Chameleon(config, device=device)
     chameleon.attach(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-    result = RunResult(label, [], [], [], None, [], 0.0)
+    result = RunResult(label, [], [], None, [], 0.0)
     start_s = time.perf_counter()
     for iteration in range(1, settings.iterations + 1):
         host_batches = [  # made on the host, then copied to the device inside the iteration (metered)
@@ -155,11 +182,14 @@ def _train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedD
                 total += loss.detach()
             return total
 
+        stage = chameleon.stage  # the stage this iteration runs in
+        plotted = result.timeline is None and _may_plot(settings, iteration, stage)
+        warmup_curve = config.enabled and iteration == WARMUP_TIMELINE_ITERATION and stage == WARMUP
+        timeline = ModelOpTimeline(device.live_bytes, chameleon.profiler.scope) if plotted or warmup_curve else None
         try:
-            if iteration == settings.timeline_iteration:
-                with device.meter.recording_timeline() as samples:
-                    loss = chameleon.run_iteration(closure, optimizer=optimizer)
-                result.timeline_bytes = samples
+            if timeline is not None:
+                with sampling(timeline, closure, optimizer) as (sampled_closure, sampled_optimizer):
+                    loss = chameleon.run_iteration(sampled_closure, optimizer=sampled_optimizer)
             else:
                 loss = chameleon.run_iteration(closure, optimizer=optimizer)
         except EmulatedOutOfMemoryError as exc:
@@ -169,13 +199,34 @@ def _train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedD
             break
         finally:
             optimizer.zero_grad(set_to_none=True)
+        report = chameleon.last_report
         result.losses.append(loss)
-        result.reports.append(chameleon.last_report)
+        result.reports.append(report)
+        if timeline is not None:
+            curve = Timeline(iteration, report.stage, report.policy, list(timeline.samples_bytes))
+            if warmup_curve:
+                result.warmup_timeline = curve
+            if plotted and _plot_this(settings, iteration, report, config.enabled):
+                result.timeline = curve
         if progress is not None:
             progress(result, chameleon.last_report, loss)
     result.wall_s = time.perf_counter() - start_s
     result.final_parameters = [p.detach().clone() for p in model.parameters()]
     return result
+
+
+def _may_plot(settings: TrainSettings, iteration: int, stage: str) -> bool:
+    """Whether to sample this iteration for the plot (``_plot_this`` decides after it ran)."""
+    if settings.timeline_iteration is not None:
+        return iteration == settings.timeline_iteration
+    return stage == STABLE or iteration == settings.iterations  # the last one if none is Stable
+
+
+def _plot_this(settings: TrainSettings, iteration: int, report: IterationReport, enabled: bool) -> bool:
+    """The first Stable iteration (with Chameleon: under a chosen policy), the asked one, or the last."""
+    if settings.timeline_iteration is not None or iteration == settings.iterations:
+        return True
+    return report.stage == STABLE and (bool(report.policy) or not enabled)
 
 
 @dataclasses.dataclass(frozen=True)
