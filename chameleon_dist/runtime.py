@@ -33,6 +33,7 @@ from chameleon_dist.policy.model import Policy
 from chameleon_dist.profiler.online import IterationProfile, OnlineProfiler
 from chameleon_dist.profiler.stages import GEN_POLICY, STABLE, WARMUP
 from chameleon_dist.report import IterationReport
+from chameleon_dist.retry import GradientSnapshot, RandomState, optimizer_state_guard
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Chameleon:
         self._oom_retries = 0
         self._in_iteration = False
         self.last_report: IterationReport | None = None
+        self._warned_unknown_parameters = False  # run_iteration retried without knowing every parameter
         profiler = self.config.profiler
         self.profiler = OnlineProfiler(
             profiler.warmup_iterations,
@@ -139,7 +141,7 @@ class Chameleon:
         self._in_iteration = True
         self._passive_swaps = 0
         self._oom_retries = 0
-        stall_start_s = self.device.stall_s()
+        stall_start_s = self._attempt_stall_start_s = self.device.stall_s()
         self.device.reset_peak()
         start_s = time.perf_counter()
         self._pressure_waits = 0
@@ -189,7 +191,7 @@ class Chameleon:
         self._follow(profile, stage)
         self.last_report = self._report(counters, profile, iteration_s, stall_start_s)
         if profile.trace is not None:  # the stall of the iteration a policy will be built from
-            self._trace_stall_s = {profile.trace.iteration: self.last_report.stall_s}
+            self._trace_stall_s = {profile.trace.iteration: self.device.stall_s() - self._attempt_stall_start_s}
         logger.debug("%s", self.last_report)
 
     # ---- policies ---------------------------------------------------------------------------
@@ -254,37 +256,82 @@ class Chameleon:
 
     def run_iteration(self, closure: Callable[[], T], optimizer: torch.optim.Optimizer | None = None) -> T:
         """Run ``closure`` (forward and backward of every micro-batch) inside ``iteration()``, then
-        ``optimizer.step()`` when given. On an out-of-memory error in the closure, gradients are cleared,
-        the CPU random state is restored (the retry draws the same dropout masks), swapping is
-        tightened and the closure runs again (up to ``executor.max_oom_retries`` times), so
-        the step is never lost and the optimizer never sees a half-accumulated gradient. Keep the
-        optimizer step out of the closure: a step that already changed parameters cannot be re-run."""
+        ``optimizer.step()`` when given.
+
+        **What is retried.** On an out-of-memory error in the closure, every parameter of the attached
+        models and of ``optimizer``'s param groups gets back the gradient it had when the iteration began,
+        the CPU and device random states are restored (the retry draws the same dropout masks), swapping
+        is tightened, and **the closure runs again** (up to ``executor.max_oom_retries`` times): the step
+        is never lost and the optimizer never sees a half-accumulated gradient.
+
+        - The closure is re-run as it is: **fetch the batch outside it** (a closure that calls
+          ``next(data_iter)`` would silently train the retry on a different batch).
+        - Without ``optimizer``, gradients of parameters outside attached models cannot be restored: pass
+          the optimizer (or ``attach`` every model); the first such retry logs a warning.
+        - Gradients that exist when the iteration begins are copied to host memory so a retry can restore
+          them; ``zero_grad(set_to_none=True)`` before each iteration avoids that copy.
+
+        **What is not retried.** Keep the optimizer step out of the closure. An out-of-memory error
+        inside ``optimizer.step()`` is raised as ``OptimizerStepOutOfMemoryError`` (the step may already
+        have changed parameters); the optimizer state the failed step had just created is discarded, so
+        the optimizer stays usable. Any other exception propagates at once. A failed iteration is reported
+        in ``last_report`` (``failed``, ``error``)."""
+        retries = self.config.executor.max_oom_retries if self.config.enabled else 0
+        gradients = GradientSnapshot(self._retry_parameters(optimizer)) if retries else None
         with self.iteration():
-            rng_state = torch.random.get_rng_state()  # a retry replays the same dropout masks
-            for attempt in range(self.config.executor.max_oom_retries + 1):
+            random_state = RandomState(self.device)
+            for attempt in range(retries + 1):
                 if attempt:
-                    torch.random.set_rng_state(rng_state)
+                    random_state.restore()
                 try:
                     result = closure()
                 except torch.OutOfMemoryError as exc:
-                    if not self.config.enabled:
-                        raise
-                    if attempt == self.config.executor.max_oom_retries:
-                        if self.executor.matcher is None and self.executor.min_swap_bytes == 0:
-                            raise torch.OutOfMemoryError(
-                                f"{exc}\nChameleon already swaps every saved activation and the step still does "
-                                f"not fit after {attempt} retries: raise device.capacity / memory_budget, lower "
-                                "the micro-batch size, or add recomputation."
-                            ) from exc
-                        raise
+                    if attempt == retries:
+                        raise self._final_out_of_memory(exc, attempt) from exc
                     reason = str(exc)
                 else:
                     if optimizer is not None:
-                        with self.optimizer_phase():
+                        with self.optimizer_phase(), optimizer_state_guard(optimizer):
                             optimizer.step()
                     return result
+                gradients.restore()
+                if optimizer is None and not self._warned_unknown_parameters:
+                    self._warned_unknown_parameters = True
+                    logger.warning(
+                        "retrying an iteration of run_iteration(closure) without optimizer=: gradients of %d "
+                        "parameters of attached models were restored; parameters outside them (not attached, "
+                        "not known) keep what the failed attempt accumulated. Pass optimizer= to run_iteration "
+                        "or attach() every model that gets gradients.", len(gradients),
+                    )
                 self._recover(reason)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _retry_parameters(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+        parameters = [p for model in self._models for p in model.parameters()]
+        if optimizer is not None:
+            parameters += [p for group in optimizer.param_groups for p in group["params"]]
+        return parameters
+
+    def _final_out_of_memory(self, exc: torch.OutOfMemoryError, retries: int) -> torch.OutOfMemoryError:
+        """The error after the last retry: why swapping could not make room, and what to change."""
+        if not self.config.enabled:
+            return exc
+        refused_bytes = self.executor.counters.kept_for_host_budget_bytes
+        pool = self.device.host_pool
+        if refused_bytes:
+            return torch.OutOfMemoryError(
+                f"{exc}\nhost_memory_budget ({format_bytes(pool.budget_bytes or 0)}) refused "
+                f"{format_bytes(refused_bytes)} of swaps in the last of {retries + 1} attempts, which stayed on "
+                f"the device: raise host_memory_budget to at least "
+                f"{format_bytes(pool.in_use_bytes + refused_bytes)}."
+            )
+        if self.executor.matcher is None and self.executor.min_swap_bytes == 0:
+            return torch.OutOfMemoryError(
+                f"{exc}\nChameleon already swaps every saved activation and the step still does not fit after "
+                f"{retries} retries: raise device.capacity / memory_budget, lower the micro-batch size, or add "
+                "recomputation."
+            )
+        return exc
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:
@@ -307,15 +354,29 @@ class Chameleon:
             recorder.optimizer_active = active
 
     def _recover(self, reason: str) -> None:
-        self._oom_retries += 1
-        for model in self._models:
-            model.zero_grad(set_to_none=True)
+        self._oom_retries += 1  # (run_iteration already gave every parameter its gradient back)
+        refused_bytes = self.executor.counters.kept_for_host_budget_bytes
         gc.collect()  # the failed attempt's graph and its swapped entries go now
+        # The retry starts the iteration over: the executor's counters and save numbering, the signature,
+        # the detailed trace and the runtime's per-attempt counters describe only the attempt that
+        # completes. The failed attempt still counts as "the policy did not hold": ``_oom_retries`` for the
+        # trials and WarmUp, and its passive swaps reach the stage machine through the profiler.
+        self.executor.new_attempt()
+        if self._observation is not None:
+            self.profiler.new_attempt(self._observation, self._passive_swaps)
+        self._passive_swaps = 0
+        self._pressure_waits = 0
+        self._attempt_stall_start_s = self.device.stall_s()  # the trace's stall: the completed attempt's
         if self.executor.matcher is not None:  # the policy did not hold: the retry swaps every eligible tensor
             self.executor.use_policy(None)
             self.trials.tighten(self.applied_policy)
             logger.warning("out of memory under policy %s (%s); retrying the iteration swapping every eligible "
                            "tensor", self.applied_policy.name if self.applied_policy else "?", reason.splitlines()[0])
+            return
+        if refused_bytes:  # swapping more cannot help while the host pool is full
+            logger.warning("out of memory (%s) with %s kept on the device because host_memory_budget (%s) was "
+                           "full; retrying (raise host_memory_budget)", reason.splitlines()[0],
+                           format_bytes(refused_bytes), format_bytes(self.device.host_pool.budget_bytes or 0))
             return
         if self.executor.min_swap_bytes == 0:  # a transient shortage (another tenant, fragmentation) may pass
             logger.warning("out of memory (%s) with every saved activation swapped; retrying", reason.splitlines()[0])

@@ -117,3 +117,11 @@ class Device(Protocol):
     def synchronize(self) -> None:
         """Wait for every copy started so far."""
         ...
+
+    def random_state(self) -> torch.Tensor | None:
+        """The device's random generator state (None when the device draws from the CPU generator)."""
+        ...
+
+    def set_random_state(self, state: torch.Tensor) -> None:
+        """Restore a state from ``random_state`` (an out-of-memory retry replays the same dropout masks)."""
+        ...

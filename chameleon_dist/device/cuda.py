@@ -293,6 +293,13 @@ class CudaDevice:
         """Tried before ``copy_to_device`` raises out-of-memory (other allocations cannot be hooked)."""
         self._pressure_handler = handler
 
+    def random_state(self) -> torch.Tensor:
+        """This device's CUDA generator state (dropout on the GPU draws from it, not from the CPU's)."""
+        return torch.cuda.get_rng_state(self.index)
+
+    def set_random_state(self, state: torch.Tensor) -> None:
+        torch.cuda.set_rng_state(state, self.index)
+
     def synchronize(self) -> None:
         """Block the host until both copy streams are idle, then let go of every source and buffer."""
         self._d2h_stream.synchronize()

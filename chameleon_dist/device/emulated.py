@@ -130,6 +130,13 @@ class EmulatedDevice:
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
         self.meter.pressure_handler = handler
 
+    def random_state(self) -> None:
+        """Emulated "device" tensors are CPU tensors: they draw from the CPU generator."""
+        return None
+
+    def set_random_state(self, state: torch.Tensor) -> None:
+        raise ValueError("the emulated device has no random generator of its own (random_state() is None)")
+
     def synchronize(self) -> None:
         for link in (self.d2h, self.h2d):
             start_s = time.perf_counter()

@@ -1,0 +1,90 @@
+"""What an out-of-memory retry of ``Chameleon.run_iteration`` restores before it runs the closure again.
+
+- ``GradientSnapshot``: the gradient every parameter had when the iteration began (None, or its
+  values), so the retry never adds to a half-accumulated gradient. Taken for the parameters of attached
+  models and of the optimizer passed to ``run_iteration``; parameters the runtime cannot see are not
+  restored (the runtime warns when that may have happened). Existing gradients are copied to host memory
+  once per iteration, outside the metered device; ``zero_grad(set_to_none=True)`` before each
+  iteration (the common loop) makes the snapshot free.
+- ``RandomState``: the CPU generator and the device's, so dropout masks repeat exactly.
+- ``OptimizerStateGuard``: an out-of-memory error inside ``optimizer.step()`` is not retried (the
+  step may already have changed parameters), but state entries the failed step created lazily (AdamW's
+  first ``exp_avg``) are removed, so the optimizer stays usable instead of failing later with a
+  ``KeyError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from chameleon_dist.device.base import Device
+
+
+class GradientSnapshot:
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self._saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        seen: set[int] = set()
+        for parameter in parameters:
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            grad = parameter.grad
+            host_copy = None if grad is None else grad.detach().to("cpu", copy=True)
+            self._saved.append((parameter, grad, host_copy))
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    def covers(self, parameter: torch.Tensor) -> bool:
+        return any(saved is parameter for saved, _, _ in self._saved)
+
+    def restore(self) -> None:
+        """Every parameter gets back the gradient it had (the same tensor object, so buffers that alias it
+        stay valid), or None."""
+        with torch.no_grad():
+            for parameter, grad, host_copy in self._saved:
+                if grad is None:
+                    parameter.grad = None
+                    continue
+                grad.copy_(host_copy)
+                if parameter.grad is not grad:
+                    parameter.grad = grad
+
+
+class RandomState:
+    def __init__(self, device: Device) -> None:
+        self._device = device
+        self._cpu = torch.random.get_rng_state()
+        self._device_state = device.random_state()
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self._cpu)
+        if self._device_state is not None:
+            self._device.set_random_state(self._device_state)
+
+
+class OptimizerStepOutOfMemoryError(torch.OutOfMemoryError):
+    """Out of memory inside ``optimizer.step()`` (not retried)."""
+
+
+@contextlib.contextmanager
+def optimizer_state_guard(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Run ``optimizer.step()`` inside: on out-of-memory, drop the state the step created and raise an
+    error that names the optimizer step."""
+    before: set[Any] = set(optimizer.state.keys())
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        created = [p for p in list(optimizer.state.keys()) if p not in before]
+        for parameter in created:
+            del optimizer.state[parameter]
+        raise OptimizerStepOutOfMemoryError(
+            f"out of memory in optimizer.step() ({type(optimizer).__name__}), after forward and backward "
+            f"succeeded: {str(exc).splitlines()[0]}\nThe optimizer step is not retried (it may already have "
+            f"changed some parameters); {len(created)} optimizer state entries it had just created were "
+            "discarded so the optimizer stays usable. Leave room for the optimizer state: lower "
+            "memory_budget or raise device.capacity."
+        ) from exc

@@ -1,0 +1,201 @@
+"""``run_iteration``'s out-of-memory retry: every gradient back to where the iteration began (also of
+parameters outside attached models), the device's random state replayed, a failure in the optimizer step
+named and leaving the optimizer usable, a host budget that refused the swaps named as the cause, and a
+failed iteration visible in ``last_report``."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from chameleon_dist import Chameleon, EmulatedDevice
+from chameleon_dist.retry import OptimizerStepOutOfMemoryError
+from tests.models import lm_batch, lm_loss, make_lm
+
+MODEL = dict(vocab=64, hidden=32, heads=4, layers=1, dropout=0.1)
+
+
+class FailOnce(TorchDispatchMode):
+    """Raises an out-of-memory error at the ``at``-th op (counting from the first op after ``arm()``),
+    once; or at the ``at``-th call of ``func`` when one is given."""
+
+    def __init__(self, at, func=None):
+        super().__init__()
+        self.at, self.func, self.count, self.armed = at, func, 0, True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.armed and (self.func is None or func is self.func):
+            self.count += 1
+            if self.count == self.at:
+                self.armed = False
+                raise torch.OutOfMemoryError(f"injected out of memory at {func}")
+        return func(*args, **(kwargs or {}))
+
+
+class WithHead(nn.Module):
+    """A model split in two: ``body`` is attached to Chameleon, ``head`` (in the optimizer) is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_lm(0, **MODEL)
+        self.head = nn.Linear(MODEL["vocab"], MODEL["vocab"])
+
+
+def _two_micro_batches(model, step, fail=None):
+    def closure():
+        total = torch.zeros(())
+        for micro in range(2):
+            tokens, labels = lm_batch(2 * step + micro, vocab=MODEL["vocab"])
+            if micro == 1 and fail is not None and fail.armed:
+                with fail:  # the second micro-batch fails once: the first one's gradients are in place
+                    loss = _loss(model, tokens, labels)
+            else:
+                loss = _loss(model, tokens, labels)
+            (loss / 2).backward()
+            total += loss.detach()
+        return total
+
+    return closure
+
+
+def _loss(model, tokens, labels):
+    logits = model.head(model.body(tokens))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _train(steps, fail_at=None, pass_optimizer=True, zero_grad=True, seed=0):
+    torch.manual_seed(seed)
+    model = WithHead()
+    chameleon = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(10**9))
+    chameleon.attach(model.body)  # the head is not attached
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    torch.manual_seed(seed + 1)
+    for step in range(steps):
+        fail = FailOnce(fail_at) if fail_at is not None and step == 1 else None
+        closure = _two_micro_batches(model, step, fail)
+        chameleon.run_iteration(closure, optimizer=optimizer if pass_optimizer else None)
+        if not pass_optimizer:
+            optimizer.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+    return grads, chameleon
+
+
+def _assert_equal(reference, candidate):
+    for step, (ref, got) in enumerate(zip(reference, candidate)):
+        for i, (a, b) in enumerate(zip(ref, got)):
+            assert torch.equal(a, b), f"gradient {i} differs at step {step}"
+
+
+@pytest.mark.parametrize("zero_grad", [True, False], ids=["zeroed", "accumulating"])
+def test_a_retry_restores_the_gradients_of_every_optimizer_parameter(zero_grad):
+    reference, _ = _train(3, zero_grad=zero_grad)
+    retried, chameleon = _train(3, fail_at=40, zero_grad=zero_grad)
+    _assert_equal(reference, retried)
+
+
+def test_without_the_optimizer_a_retry_warns_that_unknown_parameters_are_not_restored(caplog):
+    with caplog.at_level(logging.WARNING, logger="chameleon_dist.runtime"):
+        _train(3, fail_at=40, pass_optimizer=False)
+    warnings = [r for r in caplog.records if "without optimizer=" in r.getMessage()]
+    assert len(warnings) == 1 and "attach()" in warnings[0].getMessage()
+
+
+def test_a_retry_replays_the_device_random_state():
+    """On a GPU, dropout draws from the device's generator: the retry must restore it too."""
+    states = []
+
+    class RecordingDevice(EmulatedDevice):
+        def __init__(self):
+            super().__init__(10**9)
+            self.generator_state = torch.tensor([0])
+
+        def random_state(self):
+            return self.generator_state.clone()
+
+        def set_random_state(self, state):
+            states.append(int(state))
+            self.generator_state = state.clone()
+
+    device = RecordingDevice()
+    chameleon = Chameleon({"min_swap_bytes": 0}, device=device)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        device.generator_state += 1  # the device generator advances as the attempt draws numbers
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected")
+        return device.generator_state.clone()
+
+    drawn_at = chameleon.run_iteration(closure)
+    assert states == [0] and int(drawn_at) == 1  # the retry started from the same state
+
+
+def test_out_of_memory_in_the_optimizer_step_is_named_and_leaves_the_optimizer_usable():
+    model = make_lm(0, **MODEL)
+    chameleon = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(10**9))
+    chameleon.attach(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, labels = lm_batch(0, vocab=MODEL["vocab"])
+    closure = lambda: lm_loss(model, tokens, labels).backward()  # noqa: E731
+    fail = FailOnce(3, func=torch.ops.aten.zeros_like.default)  # AdamW creates its state lazily
+    with pytest.raises(OptimizerStepOutOfMemoryError, match=r"optimizer\.step\(\)"):
+        with fail:
+            chameleon.run_iteration(closure, optimizer=optimizer)
+    report = chameleon.last_report
+    assert report.failed and "optimizer.step()" in report.error and report.oom_retries == 0
+    assert not optimizer.state, "half-created state was discarded"
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()  # usable: no KeyError('exp_avg')
+
+    reference = make_lm(0, **MODEL)
+    for p, g in zip(reference.parameters(), grads):
+        p.grad = g
+    torch.optim.AdamW(reference.parameters(), lr=1e-3).step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_host_budget_that_refuses_every_swap_is_named_as_the_cause(caplog):
+    model = make_lm(0, vocab=64, hidden=64, heads=4, layers=2, dropout=0.0)
+    tokens, labels = lm_batch(0, batch=8, seq=32, vocab=64)
+    measure = Chameleon({"enabled": False}, device=EmulatedDevice(10**9))
+    measure.attach(model)
+    measure.run_iteration(lambda: lm_loss(model, tokens, labels).backward())
+    model.zero_grad(set_to_none=True)
+    capacity_bytes = measure.last_report.peak_device_bytes * 3 // 4
+    chameleon = Chameleon({"min_swap_bytes": 0, "host_memory_budget": "1KiB", "device": {"kind": "emulated", "capacity": capacity_bytes}})
+    chameleon.attach(model)
+    with caplog.at_level(logging.WARNING, logger="chameleon_dist.runtime"):
+        with pytest.raises(torch.OutOfMemoryError, match="host_memory_budget") as info:
+            chameleon.run_iteration(lambda: lm_loss(model, tokens, labels).backward())
+    assert "raise host_memory_budget to at least" in str(info.value)
+    assert "already swaps every saved activation" not in str(info.value)
+    assert not any("min_swap_bytes lowered" in r.getMessage() for r in caplog.records)
+    assert chameleon.last_report.failed and chameleon.last_report.oom_retries == 3
+
+
+def test_a_failed_iteration_is_reported():
+    model = make_lm(0, **MODEL)
+    chameleon = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(10**9))
+    chameleon.attach(model)
+    tokens, labels = lm_batch(0, vocab=MODEL["vocab"])
+    chameleon.run_iteration(lambda: lm_loss(model, tokens, labels).backward())
+    assert chameleon.last_report.iteration == 1 and not chameleon.last_report.failed
+
+    def broken():
+        lm_loss(model, tokens, labels).backward()
+        raise ValueError("a bad batch")
+
+    with pytest.raises(ValueError):
+        chameleon.run_iteration(broken)
+    report = chameleon.last_report
+    assert report.failed and report.error == "ValueError: a bad batch"
+    assert report.iteration == 2 and report.swap_out_bytes > 0
+    chameleon.run_iteration(lambda: lm_loss(model, tokens, labels).backward())
+    assert chameleon.last_report.iteration == 2 and not chameleon.last_report.failed
