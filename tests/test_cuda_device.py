@@ -429,3 +429,16 @@ def test_fake_release_completed_never_waits_and_drops_only_finished_sources(fake
     device._d2h_stream.finish()  # the copy lands
     assert device.release_completed() == 400 and alive() is None
     assert fake_cuda.compute.waited == [] and device.stall_s() == 0
+
+
+def test_random_state_is_the_cuda_generator_of_the_device_in_use(fake_cuda, monkeypatch):
+    """A retry replays dropout masks drawn on the GPU: the device's CUDA generator, by its index."""
+    generators = {0: torch.tensor([7], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: generators[device].clone(), raising=False)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: generators.__setitem__(device, state),
+                        raising=False)
+    device = fake_cuda.make()
+    state = device.random_state()
+    generators[0] = torch.tensor([9], dtype=torch.uint8)  # the step drew numbers
+    device.set_random_state(state)
+    assert torch.equal(generators[0], torch.tensor([7], dtype=torch.uint8))
