@@ -11,7 +11,7 @@ from chameleon_dist import Chameleon, EmulatedDevice
 from tests.models import lm_batch, make_lm
 
 MODEL = dict(vocab=64, hidden=32, heads=4, layers=2, dropout=0.0)
-ITERATIONS = 6  # WarmUp, GenPolicy trials and Stable
+ITERATIONS = 4  # WarmUp, two GenPolicy trials, Stable
 
 
 def _loss_and_hidden_states(model, tokens, labels):
@@ -59,7 +59,9 @@ def _run(step, chameleon):
 
 
 def _runtime(capacity_bytes, enabled=True):
-    return Chameleon({"enabled": enabled, "min_swap_bytes": 1024}, device=EmulatedDevice(capacity_bytes))
+    profiler = {"warmup_iterations": 1, "policy_trials": 2}
+    return Chameleon({"enabled": enabled, "min_swap_bytes": 1024, "profiler": profiler},
+                     device=EmulatedDevice(capacity_bytes))
 
 
 @pytest.mark.parametrize("step", PATTERNS, ids=lambda f: f.__name__.strip("_"))
