@@ -19,7 +19,13 @@ class IterationReport:
     ``sequence_differs`` is true for any difference at all (an op, the order, an op outside autograd, a
     saved size), also one the policy absorbs, such as an MoE expert that gets no token; it is reported
     only. ``sequence_change_major`` is the older name of ``sequence_changed`` and always equals it.
-    ``stage_transition`` says what changed stage after this iteration, and why."""
+    ``stage_transition`` says what changed stage after this iteration, and why.
+
+    After an out-of-memory retry inside ``run_iteration`` (``oom_retries`` > 0), the counters (swaps,
+    matches, ``passive_swaps``, ``pressure_waits``, ``kept_on_device_bytes``), ``num_ops`` and the
+    sequence comparison describe only the attempt that completed, as if it had been the only one;
+    ``peak_device_bytes``, ``iteration_s`` and ``stall_s`` span the whole iteration, failed attempts
+    included."""
 
     iteration: int
     enabled: bool  # chameleon.enabled: false means measured only, nothing swapped

@@ -22,11 +22,15 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Observation:
-    """One iteration being observed: its signature ids, and the detailed recorder in WarmUp."""
+    """One iteration being observed: its signature ids, and the detailed recorder in WarmUp.
+    ``failed_attempts`` counts out-of-memory retries (see ``OnlineProfiler.new_attempt``) and
+    ``failed_attempt_passive_swaps`` the passive swaps their attempts needed."""
 
     stage: str
     ids: list[int]
     recorder: TraceRecorder | None
+    failed_attempts: int = 0
+    failed_attempt_passive_swaps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +97,30 @@ class OnlineProfiler:
             if recorder is not None:
                 self.last_trace = recorder.finish()
 
+    def new_attempt(self, observation: Observation, passive_swaps: int = 0) -> None:
+        """An out-of-memory retry starts the iteration over (call it after the failed attempt's graph
+        was collected): the signature ids are emptied in place (the executor's op clock reads that list)
+        and the detailed recorder forgets the failed attempt, so signature and trace describe only the
+        attempt that completes. ``passive_swaps`` (those of the failed attempt) are remembered for the stage
+        machine: they still mean the policy did not hold."""
+        observation.ids.clear()
+        if observation.recorder is not None:
+            observation.recorder.new_attempt()
+        observation.failed_attempts += 1
+        observation.failed_attempt_passive_swaps += passive_swaps
+        logger.debug("iteration observation restarted for retry %d", observation.failed_attempts)
+
     def conclude(
         self, observation: Observation, saved_bytes: list[int], passive_swaps: int, over_budget: str = ""
     ) -> IterationProfile:
+        """``saved_bytes`` and ``passive_swaps`` are those of the attempt that completed; the stage machine
+        also hears of the passive swaps of failed attempts (``new_attempt``)."""
         signature = Signature.of(observation.ids, saved_bytes)
         comparison = compare(signature, self.reference, self.length_change, self.cosine_threshold)
         if comparison.changed:
             logger.info("operator sequence: %s (%d ops vs %d)", comparison.reason, comparison.num_ops, comparison.reference_num_ops)
-        transition = self.stages.advance(comparison.major, passive_swaps, comparison.reason, over_budget)
+        all_passive_swaps = passive_swaps + observation.failed_attempt_passive_swaps
+        transition = self.stages.advance(comparison.major, all_passive_swaps, comparison.reason, over_budget)
         # The reference is the sequence the current (or upcoming) policy is built from: renewed in every
         # profiled iteration and whenever the runtime goes back to WarmUp.
         if self.reference is None or observation.recorder is not None or self.stages.stage == WARMUP:

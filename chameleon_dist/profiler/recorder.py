@@ -87,7 +87,30 @@ class TraceRecorder(TorchDispatchMode):
         self._start_live_bytes = live_bytes()
         self._handles: list = []
         self._finished = False
+        self._swap_base = 0  # swap indices handed out before the latest ``new_attempt`` (stale from then on)
         self.signature_ids: list[int] | None = None  # when set, the signature is taken here too (one mode)
+
+    def new_attempt(self) -> None:
+        """An out-of-memory retry starts the iteration over: forget what the failed attempt recorded (ops,
+        tensors, storages, saves, swaps, layer times, the module stack its error left half-entered, the
+        micro-batch count) and restart the clock, so the trace describes only the attempt that completes.
+        Kept: the module hooks and paths, the parameter keys, and the live bytes at the iteration's start
+        (a retry starts from the iteration's starting state). The failed attempt's storages that are still
+        alive lose their death callbacks, and swap indices handed out before now are ignored, so nothing
+        of the failed attempt can write into the new records. The signature list is the caller's to clear
+        (the profiler shares it with ``SignatureMode``)."""
+        self._watched.clear()  # the weak references (and with them their death callbacks) go
+        self._storage_ids.clear()
+        self._tensor_ids.clear()
+        self._swap_base += len(self.swaps)
+        self.ops, self.tensors, self.storages, self.swaps, self.saves = [], [], [], [], []
+        self._module_stack.clear()
+        self._layer_start_s.clear()
+        self.layer_times_s.clear()
+        self._micro_batch = 0
+        self._last_phase = FORWARD
+        self.optimizer_active = False
+        self._start_s = time.perf_counter()
 
     # ---- modules ----------------------------------------------------------------------------
     def watch_modules(self, model: nn.Module) -> None:
@@ -126,17 +149,20 @@ class TraceRecorder(TorchDispatchMode):
             self.saves.append((tensor_id, len(self.ops)))
 
     def on_swap_out(self, storage: torch.UntypedStorage) -> int:
+        """Returns the swap's index for ``on_swap_in``/``on_restored`` (unique across attempts)."""
         storage_id = self._storage_id(storage, created_now=False)
         self.swaps.append(SwapRecord(storage_id, storage.nbytes(), out_at=len(self.ops)))
-        return len(self.swaps) - 1
+        return self._swap_base + len(self.swaps) - 1
 
     def on_swap_in(self, swap_index: int, at_op: int) -> None:
+        swap_index -= self._swap_base
         if 0 <= swap_index < len(self.swaps):
             self.swaps[swap_index].restored_at = at_op
 
     def on_restored(self, swap_index: int, tensor: torch.Tensor) -> None:
         """Backward reads a swapped tensor from its restored copy: record those reads as reads of the
         original storage, so the trace shows the uses an iteration without swapping would have."""
+        swap_index -= self._swap_base
         if 0 <= swap_index < len(self.swaps) and tensor.layout == torch.strided:
             storage = tensor.untyped_storage()
             self._storage_ids[storage._cdata] = (self.swaps[swap_index].storage_id, weakref.ref(storage))
