@@ -192,8 +192,10 @@ def test_a_failed_iteration_is_reported():
         lm_loss(model, tokens, labels).backward()
         raise ValueError("a bad batch")
 
+    trace = chameleon.last_trace
     with pytest.raises(ValueError):
         chameleon.run_iteration(broken)
+    assert chameleon.last_trace is trace, "the partial trace of a failed iteration is not kept"
     report = chameleon.last_report
     assert report.failed and report.error == "ValueError: a bad batch"
     assert report.iteration == 2 and report.swap_out_bytes > 0

@@ -90,12 +90,16 @@ class OnlineProfiler:
             recorder = None
             mode = SignatureMode(self.vocabulary, self.scope, ids, on_write)
         observation = Observation(stage, ids, recorder)
+        completed = False
         try:
             with mode:
                 yield observation
+            completed = True
         finally:
             if recorder is not None:
-                self.last_trace = recorder.finish()
+                trace = recorder.finish()
+                if completed:  # the trace of an iteration that raised is partial: never a policy's basis
+                    self.last_trace = trace
 
     def new_attempt(self, observation: Observation, passive_swaps: int = 0) -> None:
         """An out-of-memory retry starts the iteration over (call it after the failed attempt's graph
