@@ -59,6 +59,7 @@ class IterationReport:
     unmatched: int = 0  # saved storages a policy could not place confidently (kept on the device)
     on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
     sequence_differs: bool = False  # any difference from the reference sequence, absorbed or not (see above)
+    reused_original_bytes: int = 0  # restores that reused a still-alive device original (no copy, no new bytes)
     failed: bool = False  # the iteration raised (``error``): nothing after the failing op happened
     error: str = ""  # the exception's type and first line, for a failed iteration
 

@@ -436,6 +436,7 @@ class Chameleon:
             matched_fuzzy=counters.matches.fuzzy,
             unmatched=counters.matches.unmatched,
             on_demand_fetches=counters.on_demand,
+            reused_original_bytes=counters.reused_original_bytes,
             failed=True,
             error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
         )
@@ -474,4 +475,5 @@ class Chameleon:
             matched_fuzzy=counters.matches.fuzzy,
             unmatched=counters.matches.unmatched,
             on_demand_fetches=counters.on_demand,
+            reused_original_bytes=counters.reused_original_bytes,
         )

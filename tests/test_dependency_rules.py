@@ -19,7 +19,10 @@ ALLOWED = {
     "executor": {"units", "trace", "policy", "device"},
     "planner": {"units", "trace", "policy", "config"},
     "report": {"units"},
-    "runtime": {"units", "config", "trace", "device", "profiler", "policy", "executor", "planner", "report"},
+    "retry": {"units", "device"},
+    "runtime": {
+        "units", "config", "trace", "device", "profiler", "policy", "executor", "planner", "report", "retry",
+    },
     "integrations": None,  # anything
     "cli": None,
     "__init__": {"units", "config", "device", "report", "runtime"},

@@ -146,7 +146,9 @@ def test_waiting_for_in_flight_swap_outs_averts_out_of_memory_and_is_not_a_passi
     """Over a slow link, swap-outs are still in flight when memory runs short: the pressure handler
     waits for them (their blocks are released) instead of failing; nothing was swapped synchronously."""
     model = make_lm(0, **MODEL)
-    device = EmulatedDevice(int(_peak(0) * 1.1), h2d_bytes_per_s=50e6, d2h_bytes_per_s=50e6)
+    # exactly the peak of swapping everything over an instant link: over a slow one, in-flight swap-outs
+    # hold memory longer
+    device = EmulatedDevice(_peak(0), h2d_bytes_per_s=50e6, d2h_bytes_per_s=50e6)
     chameleon = Chameleon(
         {"min_swap_bytes": 0, "profiler": {"warmup_iterations": 1, "policy_trials": 1}}, device=device
     )

@@ -23,7 +23,7 @@ class SwapEntry:
 
     __slots__ = (
         "nbytes", "version", "position", "trace_index", "to_host", "to_device", "device_bytes", "_device", "planned",
-        "writes", "source", "reused_source", "__weakref__",
+        "writes", "source", "reused_source", "reuse_counted", "__weakref__",
     )
 
     def __init__(
@@ -38,6 +38,7 @@ class SwapEntry:
         # the device original, while anything (the user, a retained graph, the copy in flight) keeps it alive
         self.source = weakref.ref(source)
         self.reused_source = False  # restored by reusing the live original: no copy, no new device bytes
+        self.reuse_counted = False
         self.to_host: CopyHandle | None = to_host
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None

@@ -50,6 +50,7 @@ class SwapCounters:
     prefetched: int = 0
     saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
     on_demand: int = 0  # swap-ins started only when backward needed the tensor
+    reused_original_bytes: int = 0  # restores that reused the still-alive device original (no copy)
     passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure
     passive_swaps: int = 0
     matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
@@ -342,6 +343,9 @@ class SwapExecutor:
             self.counters.swap_in_bytes += entry.nbytes
             if self.observer is not None:
                 self.observer.on_swap_in(entry.trace_index, at_op)
+        elif entry.reused_source and not entry.reuse_counted:
+            entry.reuse_counted = True
+            self.counters.reused_original_bytes += entry.nbytes
 
     def _fire_triggers(self, op_count: int) -> None:
         """Start the planned swap-ins whose trigger op has been reached."""
