@@ -65,6 +65,9 @@ class Chameleon:
                                     host_total_bytes=physical_memory_bytes())
         if problems:
             raise ConfigError(problems)
+        if device is not None and device.host_pool.budget_bytes is None and "host_memory_budget" in self.config.model_fields_set:
+            # a device made without a host budget takes the config's (a different one is an error above)
+            device.host_pool.budget_bytes = self.config.host_memory_budget_bytes()
         self.process_groups = process_groups
         self.memory_budget_bytes = self.config.memory_budget_bytes(self.device.capacity_bytes)
         self.executor = SwapExecutor(

@@ -117,3 +117,16 @@ def test_pressure_handler_is_installed_only_when_swapping_is_on():
     Chameleon({"enabled": False}, device=off)
     Chameleon({"enabled": True}, device=on)
     assert off.meter.pressure_handler is None and on.meter.pressure_handler is not None
+
+
+def test_a_host_memory_budget_the_passed_device_contradicts_is_an_error():
+    """The passed device's host pool is what bounds host memory: a config value it contradicts would be
+    silently ignored. A device made without a host budget takes the config's."""
+    (problem,) = _problems({"host_memory_budget": "1KiB"}, EmulatedDevice(64 * MiB, host_memory_budget_bytes=2048))
+    assert problem.startswith("host_memory_budget: the config sets 1KiB (1024 bytes)")
+    assert "2KiB (2048 bytes)" in problem and "host_memory_budget_bytes" in problem
+    Chameleon({"host_memory_budget": "1KiB"}, device=EmulatedDevice(64 * MiB, host_memory_budget_bytes=1024))
+    unbounded = EmulatedDevice(64 * MiB)
+    Chameleon({"host_memory_budget": "1KiB"}, device=unbounded)
+    assert unbounded.host_pool.budget_bytes == 1024
+    Chameleon({}, device=EmulatedDevice(64 * MiB, host_memory_budget_bytes=2048))  # not set: the device's own

@@ -85,6 +85,17 @@ def runtime_problems(config: Any, device: Any, *, device_passed: bool, host_tota
         problems.append(f"host_memory_budget: {host}")
     if device_passed:
         problems.extend(device_conflicts(config.device, device))
+        host_pool = getattr(device, "host_pool", None)
+        has_budget = host_pool is not None and host_pool.budget_bytes is not None  # (None: the runtime applies it)
+        if host is None and has_budget and "host_memory_budget" in config.model_fields_set:
+            wanted = config.host_memory_budget_bytes(host_total_bytes)
+            if wanted is not None and wanted != host_pool.budget_bytes:
+                has = _bytes(host_pool.budget_bytes)
+                problems.append(
+                    f"host_memory_budget: the config sets {_bytes(wanted)} "
+                    f"but {PASSED_DEVICE} has a host pool with {has}; give the device "
+                    "host_memory_budget_bytes, or remove host_memory_budget from the config"
+                )
     return problems
 
 
