@@ -47,6 +47,8 @@ from torch.nn import functional as F
 
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.scope import TrainingScope
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.executor.swap import SwapExecutor
 from chameleon_dist.profiler.signature import OpVocabulary, Signature, SignatureMode, compare
 
 PLAIN, SIGNATURE, RECORDER, TORCH_PROFILER = "plain", "signature", "recorder", "torch.profiler"
@@ -114,6 +116,9 @@ class Workload:
         self.vocabulary = OpVocabulary()
         self.scope = TrainingScope()
         self.scope.watch(self.model)
+        # as in the runtime, both modes report in-place writes to a swap executor (nothing is swapped
+        # here, so it only looks up what it watches)
+        self.note_writes = SwapExecutor(EmulatedDevice(2**40), 0).note_writes
         self.reference: Signature | None = None
         self.ops_per_iteration = 0
         self.recorded_ops = 0
@@ -137,7 +142,7 @@ class Workload:
             self._forward_backward()
             self._optimizer_step()
         elif variant == SIGNATURE:
-            mode = SignatureMode(self.vocabulary, self.scope)
+            mode = SignatureMode(self.vocabulary, self.scope, on_write=self.note_writes)
             with mode:
                 self._forward_backward()
                 self._optimizer_step()
@@ -150,6 +155,7 @@ class Workload:
             keys = {p.untyped_storage()._cdata for p in self.model.parameters()}
             recorder = TraceRecorder(self.vocabulary, _zero_bytes, keys, self.count, False, self.scope)
             recorder.watch_modules(self.model)
+            recorder.on_write = self.note_writes
             with recorder:
                 if self.saved_hooks:
                     def pack(tensor: torch.Tensor) -> torch.Tensor:
