@@ -409,20 +409,8 @@ class Chameleon:
         counter and the stage machine do not advance (the step did not happen)."""
         return IterationReport(
             iteration=self._iteration + 1,
-            enabled=self.config.enabled,
             stage=stage,
-            peak_device_bytes=self.device.peak_bytes(),
-            capacity_bytes=self.device.capacity_bytes,
-            memory_budget_bytes=self.memory_budget_bytes,
-            swap_out_bytes=counters.swap_out_bytes,
-            swap_in_bytes=counters.swap_in_bytes,
-            swapped_storages=counters.swapped_storages,
-            prefetched=counters.prefetched,
-            kept_on_device_bytes=counters.kept_for_host_budget_bytes,
-            host_pool_bytes=self.device.host_pool.reserved_bytes,
-            stall_s=self.device.stall_s() - stall_start_s,
             iteration_s=time.perf_counter() - start_s,
-            policy_version=self.trials.version if self.applied_policy is self.trials.current else 0,
             num_ops=len(observation.ids) if observation is not None else 0,
             sequence_changed=False,
             sequence_change_major=False,
@@ -430,25 +418,32 @@ class Chameleon:
             sequence_length_change=0.0,
             saved_bytes_change=0.0,
             stage_transition=None,
-            passive_swaps=self._passive_swaps,
-            oom_retries=self._oom_retries,
-            emulated=self.device.emulated,
-            pressure_waits=self._pressure_waits,
-            policy="" if self.applied_policy is None else self.applied_policy.name,
-            matched_exact=counters.matches.exact,
-            matched_fuzzy=counters.matches.fuzzy,
-            unmatched=counters.matches.unmatched,
-            on_demand_fetches=counters.on_demand,
-            reused_original_bytes=counters.reused_original_bytes,
             failed=True,
             error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            **self._measured_fields(counters, stall_start_s),
         )
 
     def _report(self, counters: SwapCounters, profile: IterationProfile, iteration_s: float, stall_start_s: float) -> IterationReport:
+        transition = profile.transition
         return IterationReport(
             iteration=self._iteration,
-            enabled=self.config.enabled,
             stage=profile.stage,
+            iteration_s=iteration_s,
+            num_ops=profile.signature.num_ops,
+            sequence_changed=profile.comparison.changed,
+            sequence_change_major=profile.comparison.changed,  # older name, same value
+            sequence_differs=profile.comparison.differs,  # any difference, absorbed or not
+            sequence_cosine=profile.comparison.cosine,
+            sequence_length_change=profile.comparison.length_change,
+            saved_bytes_change=profile.comparison.saved_bytes_change,
+            stage_transition=None if transition is None else f"{transition.before} -> {transition.after}: {transition.reason}",
+            **self._measured_fields(counters, stall_start_s),
+        )
+
+    def _measured_fields(self, counters: SwapCounters, stall_start_s: float) -> dict:
+        """The report fields a completed and a failed iteration fill alike."""
+        return dict(
+            enabled=self.config.enabled,
             peak_device_bytes=self.device.peak_bytes(),
             capacity_bytes=self.device.capacity_bytes,
             memory_budget_bytes=self.memory_budget_bytes,
@@ -459,16 +454,7 @@ class Chameleon:
             kept_on_device_bytes=counters.kept_for_host_budget_bytes,
             host_pool_bytes=self.device.host_pool.reserved_bytes,
             stall_s=self.device.stall_s() - stall_start_s,
-            iteration_s=iteration_s,
             policy_version=self.trials.version if self.applied_policy is self.trials.current else 0,
-            num_ops=profile.signature.num_ops,
-            sequence_changed=profile.comparison.changed,
-            sequence_change_major=profile.comparison.changed,  # older name, same value
-            sequence_differs=profile.comparison.differs,  # any difference, absorbed or not
-            sequence_cosine=profile.comparison.cosine,
-            sequence_length_change=profile.comparison.length_change,
-            saved_bytes_change=profile.comparison.saved_bytes_change,
-            stage_transition=None if profile.transition is None else f"{profile.transition.before} -> {profile.transition.after}: {profile.transition.reason}",
             passive_swaps=self._passive_swaps,
             oom_retries=self._oom_retries,
             emulated=self.device.emulated,
