@@ -147,12 +147,8 @@ class SwapExecutor:
         ``note_writes``: pass ``writes_reported=True`` when a dispatch mode of the caller's reports them
         (the runtime's profiler does), else the executor watches for them with a dispatch mode of its own."""
         self.counters = SwapCounters()
-        if self.matcher is not None:
-            self.matcher.reset()
-            self.counters.matches = self.matcher.counts
         self._refresh_protected()
-        self._swapped_since_release = False
-        self._clear()
+        self._start_attempt()
         watch = contextlib.nullcontext() if writes_reported else WriteWatch(self.note_writes)
         try:
             with watch, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -196,6 +192,10 @@ class SwapExecutor:
         fresh = SwapCounters()
         for field in dataclasses.fields(SwapCounters):
             setattr(self.counters, field.name, getattr(fresh, field.name))
+        self._start_attempt()
+
+    def _start_attempt(self) -> None:
+        """Matching, release flag and per-iteration bookkeeping start over (the counters are fresh)."""
         if self.matcher is not None:
             self.matcher.reset()
             self.counters.matches = self.matcher.counts
