@@ -9,6 +9,7 @@ argument position, dtype, shape and bytes, its ordinal among the saves of its la
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,23 @@ from typing import Any
 from chameleon_dist.units import format_bytes
 
 POLICY_SCHEMA_VERSION = 1
+
+
+class Decision(enum.StrEnum):
+    """What happens to one saved tensor. String-valued: the Policy JSON keeps "keep"/"swap"/"recompute"."""
+
+    KEEP = "keep"  # stays on the device
+    SWAP = "swap"  # copied to the host after its last forward use, back before its first backward use
+    RECOMPUTE = "recompute"  # dropped after its last forward use, rebuilt from its producer before backward
+
+
+class Infeasibility(enum.StrEnum):
+    """Why a policy's predicted peak stays above the budget (``Policy.reason`` says it in words)."""
+
+    NO_SWAPPABLE_AT_PEAK = "no_swappable_at_peak"  # nothing saved for backward is waiting at the peak op
+    SWAP_FLOOR_ABOVE_BUDGET = "swap_floor_above_budget"  # even every candidate off the device is not enough
+    LINK_TOO_SLOW = "link_too_slow"  # instant copies would fit; the host link cannot move enough in time
+    HOST_BUDGET = "host_budget"  # as LINK_TOO_SLOW, and host_memory_budget also kept candidates on the device
 
 
 def save_key(dtype: str, shape) -> str:
