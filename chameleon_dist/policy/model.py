@@ -99,7 +99,8 @@ class Policy:
     # executor can tell an aligned sequence from a shifted one
     save_keys: list[str] = dataclasses.field(default_factory=list)
     host_kept_bytes: int = 0  # candidates left on the device because of host_budget_bytes
-    reason: str = ""
+    reason: str = ""  # why it does not fit, in words (empty when it fits)
+    infeasibility: Infeasibility | None = None  # why it does not fit, for code to branch on (None: it fits)
     emulated: bool = True
     schema_version: int = POLICY_SCHEMA_VERSION
 
@@ -157,6 +158,8 @@ class Policy:
             values["shape"] = tuple(values["shape"])
             entries.append(PolicyEntry(**values))
         kwargs = {k: v for k, v in data.items() if k not in ("entries", "layers", "entry_fields")}
+        if kwargs.get("infeasibility") is not None:
+            kwargs["infeasibility"] = Infeasibility(kwargs["infeasibility"])
         return cls(entries=entries, layers=[LayerLoad(*row) for row in data["layers"]], **kwargs)
 
     def to_json(self) -> str:
