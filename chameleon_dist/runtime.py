@@ -1,4 +1,6 @@
-"""The per-rank ``Chameleon`` runtime: device, executor and (later) profiler and policy, for one rank.
+"""The per-rank ``Chameleon`` runtime: it sequences the device, the profiler, the policy controller and the
+swap executor through each training iteration, and decides nothing itself (policies are chosen in
+``policy/selection.py``).
 
 Usage from a plain PyTorch loop::
 
@@ -15,6 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import time
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
@@ -26,22 +29,19 @@ from chameleon_dist.config import ChameleonConfig, ConfigError, load_config, phy
 from chameleon_dist.config.checks import model_fit_problem, runtime_problems
 from chameleon_dist.device.base import Device, module_device_bytes
 from chameleon_dist.device.factory import make_device
-from chameleon_dist.executor.swap import SwapCounters, SwapExecutor
-from chameleon_dist.executor.trials import PolicyTrials
+from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
 from chameleon_dist.policy.generator import PolicySettings
 from chameleon_dist.policy.model import Policy
-from chameleon_dist.profiler.online import IterationProfile, OnlineProfiler
-from chameleon_dist.profiler.stages import GEN_POLICY, STABLE, WARMUP
+from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
+from chameleon_dist.profiler.online import IterationProfile, Observation, OnlineProfiler
 from chameleon_dist.report import IterationReport
 from chameleon_dist.retry import GradientSnapshot, RandomState, optimizer_state_guard
+from chameleon_dist.trace.stages import Stage
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-TIGHTEN_FACTOR = 16
-"""After an out-of-memory error, ``min_swap_bytes`` is divided by this (and goes to 0 below 1 KiB)."""
 
 UNKNOWN_LINK_BYTES_PER_S = 25e9
 """Link bandwidth the policy generator assumes when neither the device nor the config gives one."""
@@ -50,8 +50,62 @@ INSTANT_LINK_BYTES_PER_S = 1e15
 """What the policy generator is told for an emulated link without a bandwidth (copies are instant)."""
 
 
+@dataclasses.dataclass
+class _Running:
+    """The iteration in progress: what it started with, and what its attempts did so far."""
+
+    stage: Stage
+    policy: Policy | None
+    start_s: float
+    stall_start_s: float  # the device's stall counter when the iteration began
+    attempt_stall_start_s: float  # ... when the current attempt began (after an out-of-memory retry)
+    observation: Observation | None = None
+    counters: SwapCounters = dataclasses.field(default_factory=SwapCounters)
+    oom_retries: int = 0
+
+
+def _planning_rate(device_bytes_per_s: float | None, configured_bytes_per_s: float | None) -> float:
+    """The link rate the policy generator plans with: the device's (``Device.d2h_bytes_per_s``; an
+    instant link is a very fast one), else the configured one, else an assumption."""
+    if device_bytes_per_s is None:
+        return float(configured_bytes_per_s or UNKNOWN_LINK_BYTES_PER_S)
+    return INSTANT_LINK_BYTES_PER_S if math.isinf(device_bytes_per_s) else float(device_bytes_per_s)
+
+
 class Chameleon:
-    """One per rank. ``process_groups`` is kept for the distributed integrations (never created here)."""
+    """Swaps a training job's saved activations to host memory and back, one rank at a time.
+
+    Each iteration the profiler takes the operator sequence's signature (and, in WarmUp, a detailed
+    trace), the policy controller says which swap policy applies, and the executor carries it out through
+    saved-tensor hooks, overlapping copies with compute. When the sequence changes or a policy stops
+    holding the memory budget, the runtime profiles again and finds a new policy (the paper's stages
+    WarmUp -> GenPolicy -> Stable). Losses and gradients stay bit-identical to a run without it.
+
+    Args:
+        config: a ``ChameleonConfig``, a dict, a YAML/JSON path, or None for the defaults. With
+            ``enabled: false`` the runtime only measures (reports, traces) and swaps nothing.
+        device: the device to meter and swap on; default: made from ``config.device`` (the emulated
+            device on a machine without CUDA). A device passed without a host budget takes
+            ``config.host_memory_budget``.
+        process_groups: the rank's process groups (kept for the distributed integrations; the runtime
+            never creates one).
+
+    Raises:
+        ConfigError: when the config cannot be meant as written (a budget above the capacity, a host
+            budget above RAM, a device that contradicts ``config.device``), naming every setting to change.
+
+    Example::
+
+        chameleon = Chameleon({"memory_budget": "40GB"})
+        model = chameleon.attach(model)
+        for batch in data:
+            optimizer.zero_grad(set_to_none=True)
+            loss = chameleon.run_iteration(lambda: step(model, batch), optimizer=optimizer)
+            print(chameleon.last_report.peak_device_bytes)
+
+    Read API: ``stage`` (the next iteration's), ``last_report``, ``last_trace``, ``controller`` (the
+    policies tried and chosen), ``executor``, ``profiler``, ``device``.
+    """
 
     def __init__(
         self,
@@ -73,13 +127,6 @@ class Chameleon:
         self.executor = SwapExecutor(
             self.device, self.config.min_swap_bytes, prefetch_depth=self.config.executor.prefetch_depth
         )
-        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._iteration = 0
-        self._passive_swaps = 0
-        self._oom_retries = 0
-        self._in_iteration = False
-        self.last_report: IterationReport | None = None
-        self._warned_unknown_parameters = False  # run_iteration retried without knowing every parameter
         profiler = self.config.profiler
         self.profiler = OnlineProfiler(
             profiler.warmup_iterations,
@@ -89,16 +136,13 @@ class Chameleon:
             self.device.live_bytes,
             self.device.emulated,
         )
-        self._observation = None
-        self.executor.quiet = self.profiler.scope.quiet
-        self.trials = PolicyTrials()
-        self._need_policies = False
-        self._pressure_waits = 0
-        self._trace_stall_s: dict[int, float] = {}
-        self._swap_all_peak_bytes = 0  # peak of the latest WarmUp (swap-everything) iteration
-        self._warmup_unsafe = False  # the old policy needed passive swaps or a retry in WarmUp
-        self.applied_policy: Policy | None = None
-        self.device.set_pressure_handler(self._on_memory_pressure if self.config.enabled else None)
+        self.controller = PolicyController(self._policy_settings())
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._iteration = 0
+        self._running: _Running | None = None
+        self.last_report: IterationReport | None = None
+        self._warned_unknown_parameters = False  # run_iteration retried without knowing every parameter
+        self.device.set_pressure_handler(self.executor.relieve_pressure if self.config.enabled else None)
         logger.info(
             "chameleon %s on %s (memory budget %s, min_swap_bytes %s)",
             "enabled" if self.config.enabled else "disabled (measuring only)",
@@ -108,7 +152,7 @@ class Chameleon:
         )
 
     @property
-    def stage(self) -> str:
+    def stage(self) -> Stage:
         """The stage the next iteration runs in: "warmup", "gen_policy" or "stable"."""
         return self.profiler.stage
 
@@ -136,126 +180,76 @@ class Chameleon:
 
     @contextlib.contextmanager
     def iteration(self) -> Iterator[None]:
-        """One whole training iteration (all micro-batches and the optimizer step)."""
-        if self._in_iteration:
+        """One whole training iteration: every micro-batch's forward and backward, and the optimizer step.
+
+        On entry the controller picks the policy for the current stage; inside, the device meters memory,
+        the profiler observes and the executor swaps; on exit the stage machine advances and
+        ``last_report`` describes the iteration.
+
+        If the body raises, the exception propagates unchanged, the iteration is not counted (the
+        iteration number, the stage machine and the policy trials stay where they were, and its partial
+        trace is never used for a policy), and ``last_report`` is a report with ``failed=True`` and
+        ``error`` naming the exception. An out-of-memory error here is not retried: ``run_iteration``
+        retries.
+
+        Raises:
+            RuntimeError: when an iteration is already active (iterations cannot nest).
+        """
+        if self._running is not None:
             raise RuntimeError("Chameleon.iteration() is already active: iterations cannot nest")
         stage = self.profiler.stage
-        self.applied_policy = self._policy_for(stage) if self.config.enabled else None
-        self._in_iteration = True
-        self._passive_swaps = 0
-        self._oom_retries = 0
-        stall_start_s = self._attempt_stall_start_s = self.device.stall_s()
+        policy = self.controller.policy_for(stage, self.profiler.last_trace, self.executor.min_swap_bytes) \
+            if self.config.enabled else None
+        stall_start_s = self.device.stall_s()
         self.device.reset_peak()
-        start_s = time.perf_counter()
-        self._pressure_waits = 0
-        counters = SwapCounters()
-        self.executor.use_policy(self.applied_policy)
-        observation = None
+        running = self._running = _Running(stage, policy, time.perf_counter(), stall_start_s, stall_start_s)
         try:
             observing = self.profiler.observe(
                 self._iteration + 1, self._models, self.executor.protected_keys, on_write=self.executor.note_writes
             )
             with self.device.active(), observing as observation:
-                self._observation = observation
-                self.executor.observer = observation.recorder
-                self.executor.op_clock = lambda ids=observation.ids: len(ids)
+                running.observation = observation
                 if self.config.enabled:
-                    with self.executor.active(writes_reported=True) as counters:
+                    context = IterationContext(
+                        policy=policy, op_clock=lambda ids=observation.ids: len(ids), observer=observation.recorder,
+                        hide_own_ops=self.profiler.scope.quiet, writes_reported=True,
+                    )
+                    with self.executor.active(context) as running.counters:
                         yield
                 else:
                     yield
         except Exception as exc:  # the iteration is lost: say so in last_report, then let the caller see it
-            self.last_report = self._failure_report(exc, stage, counters, observation, start_s, stall_start_s)
+            self.last_report = self._failure_report(exc, running)
             raise
         finally:
-            self._in_iteration = False
-            self._observation = None
-            self.executor.observer = None
-            self.executor.op_clock = lambda: -1
+            self._running = None
         self._iteration += 1
-        iteration_s = time.perf_counter() - start_s
-        peak = self.device.peak_bytes()
-        # what a policy must stay under: the budget, or, where no swap can meet it (a peak in the optimizer
-        # step, a link too slow), the peak of the swap-everything executor it replaces
-        allowed = max(self.memory_budget_bytes, self._swap_all_peak_bytes)
-        if stage == GEN_POLICY and self.applied_policy is not None:
-            held = peak <= allowed and not self._passive_swaps and not self._oom_retries
-            stall_s = self.device.stall_s() - stall_start_s
-            self.trials.record(self.applied_policy, iteration_s, peak, held, self.memory_budget_bytes, stall_s)
-        over_budget = ""
-        if stage == STABLE and self.applied_policy is not None and peak > allowed:
-            over_budget = (f"peak {format_bytes(peak)} above memory_budget {format_bytes(self.memory_budget_bytes)} "
-                           f"under policy {self.applied_policy.name}")
-        if stage == WARMUP and self.applied_policy is None and not self._oom_retries:
-            self._swap_all_peak_bytes = peak
-        if stage == WARMUP:  # the old policy is kept in WarmUp only while it holds without help
-            self._warmup_unsafe = bool(self.applied_policy is not None and (self._passive_swaps or self._oom_retries))
-        profile = self.profiler.conclude(observation, counters.saved_bytes, self._passive_swaps, over_budget)
-        self._follow(profile, stage)
-        self.last_report = self._report(counters, profile, iteration_s, stall_start_s)
-        if profile.trace is not None:  # the stall of the iteration a policy will be built from
-            self._trace_stall_s = {profile.trace.iteration: self.device.stall_s() - self._attempt_stall_start_s}
+        iteration_s = time.perf_counter() - running.start_s
+        counters = running.counters
+        outcome = IterationOutcome(
+            iteration=self._iteration, stage=stage, policy=policy, peak_bytes=self.device.peak_bytes(),
+            iteration_s=iteration_s, stall_s=self.device.stall_s() - running.stall_start_s,
+            attempt_stall_s=self.device.stall_s() - running.attempt_stall_start_s,
+            passive_swaps=counters.passive_swaps, oom_retries=running.oom_retries,
+            profiled=observation.recorder is not None,
+        )
+        over_budget = self.controller.record(outcome)
+        profile = self.profiler.conclude(observation, counters.saved_bytes, counters.passive_swaps, over_budget)
+        self.controller.follow(profile.transition, outcome)
+        self.last_report = self._report(running, profile, iteration_s)
         logger.debug("%s", self.last_report)
 
-    # ---- policies ---------------------------------------------------------------------------
-    def _policy_for(self, stage: str) -> Policy | None:
-        """WarmUp applies the last chosen policy to the tensors it matches confidently (the rest stay on
-        the device, with passive swap as the safety net), or swaps every eligible tensor when there is
-        none yet or the last WarmUp iteration needed passive swaps or a retry; GenPolicy tries the
-        generated policies in turn; Stable applies the chosen one."""
-        if stage == WARMUP:
-            return self.trials.current if self.trials.current is not None and not self._warmup_unsafe else None
-        if stage == GEN_POLICY:
-            if self._need_policies or self.trials.regenerate:
-                if self._need_policies:
-                    self.trials.start()
-                self._need_policies = False
-                trace = self.profiler.last_trace
-                if trace is None:
-                    return None
-                # compute time only: the profiled iteration's stalls were the swap-all executor's waits
-                compute_s = max(trace.iteration_s - self._trace_stall_s.get(trace.iteration, 0.0), trace.iteration_s / 20)
-                # every time in the trace shrinks alike: measured layer times included (they carry the
-                # detailed recorder's cost and the forward pass's share of the stalls too)
-                scale = compute_s * self.trials.time_scale / max(trace.iteration_s, 1e-12)
-                trace = dataclasses.replace(
-                    trace, iteration_s=trace.iteration_s * scale,
-                    layer_times_s={layer: t * scale for layer, t in trace.layer_times_s.items()},
-                )
-                self.trials.generate(trace, self._policy_settings())
-            return self.trials.trial_policy()
-        if stage == STABLE:
-            return self.trials.current
-        return None
-
     def _policy_settings(self) -> PolicySettings:
-        link = {}
-        for direction in ("d2h", "h2d"):
-            emulated_link = getattr(self.device, direction, None)
-            if emulated_link is not None:  # the emulated device's link; None = instant copies
-                rate = emulated_link.bytes_per_s or INSTANT_LINK_BYTES_PER_S
-            else:
-                rate = getattr(self.config.device, f"{direction}_bytes_per_s", None) or UNKNOWN_LINK_BYTES_PER_S
-            link[f"{direction}_bytes_per_s"] = float(rate)
+        """What the controller generates policies for: this runtime's budget, device link and host pool."""
         return PolicySettings(
             budget_bytes=self.memory_budget_bytes,
             min_swap_bytes=self.executor.min_swap_bytes,
             host_budget_bytes=self.device.host_pool.budget_bytes,
             trials=self.config.profiler.policy_trials,
             allow_recompute=False,  # the executor has no recompute path: recompute decisions would be swaps
-            **link,
+            d2h_bytes_per_s=_planning_rate(self.device.d2h_bytes_per_s, self.config.device.d2h_bytes_per_s),
+            h2d_bytes_per_s=_planning_rate(self.device.h2d_bytes_per_s, self.config.device.h2d_bytes_per_s),
         )
-
-    def _follow(self, profile: IterationProfile, stage: str) -> None:
-        transition = profile.transition
-        if transition is None:
-            return
-        if transition.after == GEN_POLICY:
-            self._need_policies = True
-        elif transition.after == STABLE:
-            self.trials.choose()
-        elif transition.after == WARMUP and (self._passive_swaps or "memory_budget" in transition.reason) and stage != WARMUP:
-            self.trials.tighten(self.applied_policy)
 
     def run_iteration(self, closure: Callable[[], T], optimizer: torch.optim.Optimizer | None = None) -> T:
         """Run ``closure`` (forward and backward of every micro-batch) inside ``iteration()``, then
@@ -319,7 +313,7 @@ class Chameleon:
         """The error after the last retry: why swapping could not make room, and what to change."""
         if not self.config.enabled:
             return exc
-        refused_bytes = self.executor.counters.kept_for_host_budget_bytes
+        refused_bytes = self.executor.counters.kept_on_device_bytes
         pool = self.device.host_pool
         if refused_bytes:
             return torch.OutOfMemoryError(
@@ -328,7 +322,7 @@ class Chameleon:
                 f"the device: raise host_memory_budget to at least "
                 f"{format_bytes(pool.in_use_bytes + refused_bytes)}."
             )
-        if self.executor.matcher is None and self.executor.min_swap_bytes == 0:
+        if self.executor.policy is None and self.executor.min_swap_bytes == 0:
             return torch.OutOfMemoryError(
                 f"{exc}\nChameleon already swaps every saved activation and the step still does not fit after "
                 f"{retries} retries: raise device.capacity / memory_budget, lower the micro-batch size, or add "
@@ -352,65 +346,49 @@ class Chameleon:
         return optimizer
 
     def _mark_optimizer(self, active: bool) -> None:
-        recorder = self._observation.recorder if self._observation is not None else None
+        observation = self._running.observation if self._running is not None else None
+        recorder = observation.recorder if observation is not None else None
         if recorder is not None:
             recorder.optimizer_active = active
 
     def _recover(self, reason: str) -> None:
-        self._oom_retries += 1  # (run_iteration already gave every parameter its gradient back)
-        refused_bytes = self.executor.counters.kept_for_host_budget_bytes
+        """Start the running iteration over after an out-of-memory error (``run_iteration`` already gave
+        every parameter its gradient back). The executor's counters and save numbering, the signature and
+        the detailed trace describe only the attempt that completes; the failed attempt still counts as
+        "the policy did not hold" (``oom_retries`` for the controller, its passive swaps for the stage
+        machine through the profiler). The controller says what the retry changes."""
+        running = self._running
+        running.oom_retries += 1
+        counters = self.executor.counters
+        refused_bytes, passive_swaps, policy = counters.kept_on_device_bytes, counters.passive_swaps, self.executor.policy
         gc.collect()  # the failed attempt's graph and its swapped entries go now
-        # The retry starts the iteration over: the executor's counters and save numbering, the signature,
-        # the detailed trace and the runtime's per-attempt counters describe only the attempt that
-        # completes. The failed attempt still counts as "the policy did not hold": ``_oom_retries`` for the
-        # trials and WarmUp, and its passive swaps reach the stage machine through the profiler.
-        self.executor.new_attempt()
-        if self._observation is not None:
-            self.profiler.new_attempt(self._observation, self._passive_swaps)
-        self._passive_swaps = 0
-        self._pressure_waits = 0
-        self._attempt_stall_start_s = self.device.stall_s()  # the trace's stall: the completed attempt's
-        if self.executor.matcher is not None:  # the policy did not hold: the retry swaps every eligible tensor
-            self.executor.use_policy(None)
-            self.trials.tighten(self.applied_policy)
+        action = self.controller.on_out_of_memory(policy, refused_bytes, self.executor.min_swap_bytes)
+        self.executor.new_attempt(swap_everything=action == RetryAction.SWAP_EVERYTHING)
+        if running.observation is not None:
+            self.profiler.new_attempt(running.observation, passive_swaps)
+        running.attempt_stall_start_s = self.device.stall_s()  # the trace's stall: the completed attempt's
+        first_line = reason.splitlines()[0]
+        if action == RetryAction.SWAP_EVERYTHING:
             logger.warning("out of memory under policy %s (%s); retrying the iteration swapping every eligible "
-                           "tensor", self.applied_policy.name if self.applied_policy else "?", reason.splitlines()[0])
-            return
-        if refused_bytes:  # swapping more cannot help while the host pool is full
+                           "tensor", policy.name, first_line)
+        elif action == RetryAction.WAIT_FOR_HOST:
             logger.warning("out of memory (%s) with %s kept on the device because host_memory_budget (%s) was "
-                           "full; retrying (raise host_memory_budget)", reason.splitlines()[0],
+                           "full; retrying (raise host_memory_budget)", first_line,
                            format_bytes(refused_bytes), format_bytes(self.device.host_pool.budget_bytes or 0))
-            return
-        if self.executor.min_swap_bytes == 0:  # a transient shortage (another tenant, fragmentation) may pass
-            logger.warning("out of memory (%s) with every saved activation swapped; retrying", reason.splitlines()[0])
-            return
-        self.executor.min_swap_bytes //= TIGHTEN_FACTOR
-        if self.executor.min_swap_bytes < 1024:
-            self.executor.min_swap_bytes = 0
-        logger.warning(
-            "out of memory (%s); retrying the iteration with min_swap_bytes lowered to %s",
-            reason.splitlines()[0],
-            format_bytes(self.executor.min_swap_bytes),
-        )
+        elif action == RetryAction.RETRY_AS_IS:
+            logger.warning("out of memory (%s) with every saved activation swapped; retrying", first_line)
+        else:
+            logger.warning("out of memory (%s); retrying the iteration with min_swap_bytes lowered to %s",
+                           first_line, format_bytes(self.executor.tighten()))
 
-    def _on_memory_pressure(self, short_bytes: int) -> int:
-        before = self.executor.counters.passive_swaps
-        freed_bytes = self.executor.relieve_pressure(short_bytes)
-        if self.executor.counters.passive_swaps > before:
-            self._passive_swaps += self.executor.counters.passive_swaps - before
-        elif freed_bytes > 0:
-            self._pressure_waits += 1
-        return freed_bytes
-
-    def _failure_report(
-        self, exc: Exception, stage: str, counters: SwapCounters, observation, start_s: float, stall_start_s: float
-    ) -> IterationReport:
+    def _failure_report(self, exc: Exception, running: _Running) -> IterationReport:
         """The report of an iteration that raised: what it did until then, and the error. The iteration
         counter and the stage machine do not advance (the step did not happen)."""
+        observation = running.observation
         return IterationReport(
             iteration=self._iteration + 1,
-            stage=stage,
-            iteration_s=time.perf_counter() - start_s,
+            stage=running.stage,
+            iteration_s=time.perf_counter() - running.start_s,
             num_ops=len(observation.ids) if observation is not None else 0,
             sequence_changed=False,
             sequence_change_major=False,
@@ -420,10 +398,10 @@ class Chameleon:
             stage_transition=None,
             failed=True,
             error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            **self._measured_fields(counters, stall_start_s),
+            **self._measured_fields(running),
         )
 
-    def _report(self, counters: SwapCounters, profile: IterationProfile, iteration_s: float, stall_start_s: float) -> IterationReport:
+    def _report(self, running: _Running, profile: IterationProfile, iteration_s: float) -> IterationReport:
         transition = profile.transition
         return IterationReport(
             iteration=self._iteration,
@@ -437,11 +415,12 @@ class Chameleon:
             sequence_length_change=profile.comparison.length_change,
             saved_bytes_change=profile.comparison.saved_bytes_change,
             stage_transition=None if transition is None else f"{transition.before} -> {transition.after}: {transition.reason}",
-            **self._measured_fields(counters, stall_start_s),
+            **self._measured_fields(running),
         )
 
-    def _measured_fields(self, counters: SwapCounters, stall_start_s: float) -> dict:
+    def _measured_fields(self, running: _Running) -> dict:
         """The report fields a completed and a failed iteration fill alike."""
+        counters, policy = running.counters, running.policy
         return dict(
             enabled=self.config.enabled,
             peak_device_bytes=self.device.peak_bytes(),
@@ -451,15 +430,15 @@ class Chameleon:
             swap_in_bytes=counters.swap_in_bytes,
             swapped_storages=counters.swapped_storages,
             prefetched=counters.prefetched,
-            kept_on_device_bytes=counters.kept_for_host_budget_bytes,
+            kept_on_device_bytes=counters.kept_on_device_bytes,
             host_pool_bytes=self.device.host_pool.reserved_bytes,
-            stall_s=self.device.stall_s() - stall_start_s,
-            policy_version=self.trials.version if self.applied_policy is self.trials.current else 0,
-            passive_swaps=self._passive_swaps,
-            oom_retries=self._oom_retries,
+            stall_s=self.device.stall_s() - running.stall_start_s,
+            policy_version=self.controller.version_of(policy),
+            passive_swaps=counters.passive_swaps,
+            oom_retries=running.oom_retries,
             emulated=self.device.emulated,
-            pressure_waits=self._pressure_waits,
-            policy="" if self.applied_policy is None else self.applied_policy.name,
+            pressure_waits=counters.pressure_waits,
+            policy="" if policy is None else policy.name,
             matched_exact=counters.matches.exact,
             matched_fuzzy=counters.matches.fuzzy,
             unmatched=counters.matches.unmatched,

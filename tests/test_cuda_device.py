@@ -149,6 +149,24 @@ def test_fake_device_satisfies_protocol_and_uses_the_pinned_allocator(fake_cuda)
     assert fake_cuda.cudart.unregistered == [address]
 
 
+def test_fake_link_rates_are_the_ones_it_was_built_with_else_unknown(fake_cuda):
+    device = fake_cuda.make()
+    assert device.d2h_bytes_per_s is None and device.h2d_bytes_per_s is None  # not told: unknown
+    device = fake_cuda.make(d2h_bytes_per_s=12_000_000_000, h2d_bytes_per_s=25e9)
+    assert (device.d2h_bytes_per_s, device.h2d_bytes_per_s) == (12e9, 25e9)
+    with pytest.raises(ValueError, match="h2d bandwidth"):
+        fake_cuda.make(h2d_bytes_per_s=0)
+
+
+def test_fake_factory_passes_the_configured_link_rates(fake_cuda):
+    from chameleon_dist.config import ChameleonConfig
+    from chameleon_dist.device.factory import make_device
+
+    device = make_device(ChameleonConfig(device={"kind": "cuda", "d2h_bytes_per_s": "12GB"}))
+    assert isinstance(device, CudaDevice)
+    assert (device.d2h_bytes_per_s, device.h2d_bytes_per_s) == (12e9, None)
+
+
 def _round_trip(device, tensor):
     to_host = device.copy_to_host(tensor.untyped_storage())
     host = device.wait(to_host)
@@ -167,7 +185,7 @@ def test_fake_round_trip_is_exact(fake_cuda):
         assert torch.equal(_round_trip(device, tensor), tensor)
 
 
-def test_fake_release_pending_orders_the_compute_stream_then_drops_sources(fake_cuda):
+def test_fake_release_all_sources_orders_the_compute_stream_then_drops_sources(fake_cuda):
     device = fake_cuda.make()
     device._d2h_stream.held = True  # both copies still running
     storages = [torch.zeros(100).untyped_storage(), torch.zeros(50).untyped_storage()]
@@ -175,10 +193,10 @@ def test_fake_release_pending_orders_the_compute_stream_then_drops_sources(fake_
     alive = [weakref.ref(storage) for storage in storages]
     del storages
     assert all(ref() is not None for ref in alive)  # the device keeps the sources while copies run
-    assert device.release_pending() == 600
+    assert device.release_all_sources() == 600
     assert fake_cuda.compute.waited == [handles[-1].event]  # one wait: copies complete in issue order
     assert all(ref() is None for ref in alive)
-    assert device.release_pending() == 0
+    assert device.release_all_sources() == 0
     assert device.stall_s() == pytest.approx(FakeEvent.ELAPSED_MS / 1000)
 
 
@@ -204,7 +222,7 @@ def test_fake_host_buffer_returns_to_pool_only_after_its_copy(fake_cuda):
     device.copy_to_host(torch.ones(256).untyped_storage())
     assert device.host_pool.allocations == 2  # could not reuse it yet
     device._h2d_stream.finish()
-    device.release_pending()
+    device.release_all_sources()
     assert device.host_pool.cached_bytes == 1024
     device.copy_to_host(torch.ones(256).untyped_storage())
     assert device.host_pool.allocations == 2  # reused, exact size
@@ -280,7 +298,7 @@ def cuda_device():
     device = CudaDevice(host_memory_budget_bytes=4 * 2**30)
     yield device
     device.synchronize()
-    device.release_pending()
+    device.release_all_sources()
 
 
 @pytest.mark.gpu
@@ -310,13 +328,13 @@ def test_gpu_round_trip_is_exact(cuda_device):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_live_bytes_drop_after_release_pending(cuda_device):
+def test_gpu_live_bytes_drop_after_release_all_sources(cuda_device):
     tensor = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
     with_tensor = cuda_device.live_bytes()
     to_host = cuda_device.copy_to_host(tensor.untyped_storage())
     del tensor
     assert cuda_device.live_bytes() == with_tensor  # the device keeps the source while the copy runs
-    assert cuda_device.release_pending() == 64 * MiB
+    assert cuda_device.release_all_sources() == 64 * MiB
     assert cuda_device.live_bytes() == with_tensor - 64 * MiB
     cuda_device.synchronize()
     cuda_device.release_host(to_host.result)
@@ -334,7 +352,7 @@ def test_gpu_host_pool_reuses_exact_sizes(cuda_device):
             cuda_device.wait(cuda_device.copy_to_device(host))
             cuda_device.release_host(host)
         cuda_device.synchronize()
-        cuda_device.release_pending()
+        cuda_device.release_all_sources()
         allocations.append(cuda_device.host_pool.allocations)
     assert allocations == [3, 3]  # the second iteration reuses every buffer (two share a size)
     assert cuda_device.host_pool.reserved_bytes == sum(sizes)  # exact sizes, nothing rounded up
@@ -410,24 +428,24 @@ def test_gpu_copies_overlap_with_compute(cuda_device):
                 if handle is not None:
                     cuda_device.release_host(handle.result)
             cuda_device.synchronize()
-            cuda_device.release_pending()
+            cuda_device.release_all_sources()
         return best_ms
 
     matmul_ms, copy_ms, both_ms = timed(matmuls), timed(swap_out), timed(both)
     assert both_ms < 0.9 * (matmul_ms + copy_ms), (matmul_ms, copy_ms, both_ms)
 
 
-def test_fake_release_completed_never_waits_and_drops_only_finished_sources(fake_cuda):
+def test_fake_release_completed_sources_never_waits_and_drops_only_finished_sources(fake_cuda):
     device = fake_cuda.make()
     device._d2h_stream.held = True
     storage = torch.zeros(100).untyped_storage()
     alive = weakref.ref(storage)
     device.copy_to_host(storage)
     del storage
-    assert device.release_completed() == 0 and alive() is not None  # still copying: kept, no wait
+    assert device.release_completed_sources() == 0 and alive() is not None  # still copying: kept, no wait
     assert fake_cuda.compute.waited == []
     device._d2h_stream.finish()  # the copy lands
-    assert device.release_completed() == 400 and alive() is None
+    assert device.release_completed_sources() == 400 and alive() is None
     assert fake_cuda.compute.waited == [] and device.stall_s() == 0
 
 

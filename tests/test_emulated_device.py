@@ -1,6 +1,7 @@
 """The emulated device: copy timing, copy handles, stall accounting, presets, host buffer pool."""
 
 import gc
+import math
 import time
 
 import pytest
@@ -17,6 +18,15 @@ def _device_storage(device: EmulatedDevice, numel: int) -> torch.Tensor:
 
 def test_satisfies_the_device_protocol():
     assert isinstance(EmulatedDevice(capacity_bytes=1000), Device)
+
+
+def test_link_rates_are_the_links_and_infinite_when_instant():
+    device = EmulatedDevice(capacity_bytes=1000, h2d_bytes_per_s=2e9)
+    assert device.h2d_bytes_per_s == 2e9 and device.h2d_bytes_per_s == device.h2d.bytes_per_s
+    assert device.d2h_bytes_per_s == math.inf and device.d2h.bytes_per_s is None  # an instant link
+    preset = EmulatedDevice(capacity_bytes=1000, preset="h100-pcie", cpu_flop_per_s=100e9)
+    assert preset.d2h_bytes_per_s == preset.calibration.d2h_bytes_per_s
+    assert preset.h2d_bytes_per_s == preset.calibration.h2d_bytes_per_s
 
 
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from chameleon_dist import Chameleon, EmulatedDevice
+from chameleon_dist.executor import IterationContext
 
 INPLACE_ERROR = "modified by an inplace operation"
 SLOW_BYTES_PER_S = 2e6  # a 16 KiB copy takes ~8 ms: the write lands while the swap-out is in flight
@@ -115,9 +116,9 @@ def test_in_place_write_to_a_passively_swapped_tensor_raises(write, link):
     block_bytes = 256 * 256 * 4
     chameleon = _runtime(LINKS[link], capacity_bytes=5 * block_bytes + 4096)
     executor = chameleon.executor
-    executor.use_policy(_keep_everything_policy())  # a policy that swaps nothing: every tensor is kept
+    keep_everything = IterationContext(policy=_keep_everything_policy())  # swaps nothing: every tensor is kept
     with pytest.raises(RuntimeError, match=INPLACE_ERROR):
-        with chameleon.device.active(), executor.active() as counters:
+        with chameleon.device.active(), executor.active(keep_everything) as counters:
             a = torch.sigmoid(w * 1.0)  # 1 block, saved by sigmoid and kept
             b = torch.sigmoid(torch.cat([w, w]) * 1.0)  # 2 blocks, saved and kept
             partial = a.sum() + b.sum()

@@ -14,7 +14,8 @@ from chameleon_dist import Chameleon, EmulatedDevice
 from chameleon_dist.profiler.online import OnlineProfiler
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.signature import OpVocabulary
-from chameleon_dist.profiler.stages import GEN_POLICY, WARMUP
+from chameleon_dist.trace.stages import Stage
+
 from tests.models import lm_batch, lm_loss, make_lm
 
 MODEL = dict(vocab=64, hidden=32, heads=4, layers=2, dropout=0.1)
@@ -107,7 +108,7 @@ def test_a_retry_in_warmup_records_the_same_trace_as_a_clean_iteration():
     _fail_once(model.blocks[1].fc1, on_call=2)  # in the second micro-batch, inside blocks.1
     _run(clean, _closure(clean_model))
     _run(retried, _closure(model))
-    assert retried.last_report.oom_retries == 1 and retried.last_report.stage == WARMUP
+    assert retried.last_report.oom_retries == 1 and retried.last_report.stage == Stage.WARMUP
     _assert_same_iteration(retried, clean)
     for p, q in zip(clean_model.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
@@ -139,7 +140,7 @@ def test_a_real_out_of_memory_retry_records_the_same_trace_as_a_run_that_fit_at_
     _assert_same_iteration(retried, clean)
 
 
-def test_the_report_counts_the_pressure_help_of_the_completed_attempt_only(monkeypatch):
+def test_the_report_counts_the_pressure_help_of_the_completed_attempt_only():
     """The failed attempt ran short of memory twice and got help (a passive swap, then in-flight
     swap-outs that were waited for); the attempt that completed needed none: the report says so."""
     capacity_bytes = 2 * 10**7
@@ -148,15 +149,17 @@ def test_the_report_counts_the_pressure_help_of_the_completed_attempt_only(monke
     ballast = []
     helped = []
 
-    def relieve_pressure(short_bytes):  # stands in for the executor: a passive swap, then a wait
+    def relieve_pressure(short_bytes):  # stands in for the executor's: a passive swap, then a wait
         helped.append(short_bytes)
         if len(helped) == 1:
             chameleon.executor.counters.passive_swaps += 1
+        else:
+            chameleon.executor.counters.pressure_waits += 1
         freed_bytes = sum(t.untyped_storage().nbytes() for t in ballast)
         ballast.clear()
         return freed_bytes
 
-    monkeypatch.setattr(chameleon.executor, "relieve_pressure", relieve_pressure)
+    chameleon.device.set_pressure_handler(relieve_pressure)
     step = _closure(model)
     attempts = []
 
@@ -199,7 +202,7 @@ def test_the_trace_times_the_completed_attempt_and_its_own_stall():
     (first_s, first_stall_s), (second_s, second_stall_s) = starts
     assert second_stall_s > first_stall_s, "the failed attempt stalled on its swap-ins"
     assert trace.iteration_s < end_s - (first_s + second_s) / 2, "the trace spans the second attempt, not both"
-    assert chameleon._trace_stall_s == {trace.iteration: pytest.approx(device.stall_s() - second_stall_s)}
+    assert chameleon.controller.trace_stall_s == {trace.iteration: pytest.approx(device.stall_s() - second_stall_s)}
     assert report.stall_s == pytest.approx(device.stall_s() - first_stall_s), "the report's stall is the iteration's"
 
 
@@ -213,7 +216,7 @@ def test_passive_swaps_of_a_failed_attempt_still_send_the_runtime_back_to_warmup
         with profiler.observe(1, [], set) as observation:
             (x * 2).sum().backward()
         profiler.conclude(observation, [64], passive_swaps=0)
-        assert profiler.stage == GEN_POLICY
+        assert profiler.stage == Stage.GEN_POLICY
         return profiler
 
     profiler = in_gen_policy()
@@ -223,7 +226,7 @@ def test_passive_swaps_of_a_failed_attempt_still_send_the_runtime_back_to_warmup
         assert observation.ids == []
         (x * 2).sum().backward()
     profile = profiler.conclude(observation, [64], passive_swaps=0)
-    assert profile.transition is not None and profile.transition.after == WARMUP
+    assert profile.transition is not None and profile.transition.after == Stage.WARMUP
     assert "3 passive swap" in profile.transition.reason
     assert profile.signature.num_ops == len(observation.ids) > 0
 

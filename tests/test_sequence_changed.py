@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from chameleon_dist import Chameleon, EmulatedDevice
-from chameleon_dist.profiler import STABLE
+from chameleon_dist.trace.stages import Stage
+
 from tests.scenario_models import one_thread
 
 HIDDEN, EXPERTS, LAYERS = 16, 4, 6
@@ -70,7 +71,7 @@ def test_a_wobbling_sequence_differs_but_is_not_changed_and_a_real_change_is(cap
         reports.append(runtime.last_report)
         logged.append([r.getMessage() for r in caplog.records if r.getMessage().startswith("operator sequence")])
     wobbling = reports[8:13]  # iterations 9-13
-    assert all(r.stage == STABLE for r in wobbling)
+    assert all(r.stage == Stage.STABLE for r in wobbling)
     assert all(r.sequence_differs for r in wobbling), [r.num_ops for r in reports]
     assert not any(r.sequence_changed for r in wobbling), [r.stage_transition for r in wobbling]
     assert all(r.stage_transition is None for r in wobbling), "nothing is re-planned"

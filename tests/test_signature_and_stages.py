@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from chameleon_dist.profiler import GEN_POLICY, STABLE, WARMUP, OpVocabulary, Signature, SignatureMode, StageMachine, compare
+from chameleon_dist.profiler import OpVocabulary, Signature, SignatureMode, StageMachine, compare
+from chameleon_dist.trace.stages import Stage
+
 from chameleon_dist.profiler.signature import cosine_similarity
 
 
@@ -84,26 +86,26 @@ def test_stage_machine_follows_algorithm_1():
     for _ in range(7):
         stages.append(machine.stage)
         machine.advance(major_change=False, passive_swaps=0)
-    assert stages == [WARMUP, WARMUP, GEN_POLICY, GEN_POLICY, GEN_POLICY, STABLE, STABLE]
+    assert stages == [Stage.WARMUP, Stage.WARMUP, Stage.GEN_POLICY, Stage.GEN_POLICY, Stage.GEN_POLICY, Stage.STABLE, Stage.STABLE]
     transition = machine.advance(major_change=True, passive_swaps=0, change_reason="length changed")
-    assert (transition.before, transition.after) == (STABLE, WARMUP) and "length changed" in transition.reason
+    assert (transition.before, transition.after) == (Stage.STABLE, Stage.WARMUP) and "length changed" in transition.reason
     assert machine.advance(False, 1) is None  # a passive swap in WarmUp is its safety net: no restart
-    assert machine.advance(False, 0).after == GEN_POLICY
+    assert machine.advance(False, 0).after == Stage.GEN_POLICY
     transition = machine.advance(False, 2)  # a passive swap under a policy goes back to WarmUp
-    assert (transition.before, transition.after) == (GEN_POLICY, WARMUP) and "passive swap" in transition.reason
+    assert (transition.before, transition.after) == (Stage.GEN_POLICY, Stage.WARMUP) and "passive swap" in transition.reason
 
 
 def test_zero_warmup_goes_straight_to_gen_policy():
     machine = StageMachine(warmup_iterations=0, policy_trials=1)
-    assert machine.stage == GEN_POLICY
-    assert machine.advance(False, 0).after == STABLE
-    assert machine.advance(True, 0, "x").after == GEN_POLICY
+    assert machine.stage == Stage.GEN_POLICY
+    assert machine.advance(False, 0).after == Stage.STABLE
+    assert machine.advance(True, 0, "x").after == Stage.GEN_POLICY
 
 
 def test_a_major_change_restarts_warmup_from_gen_policy_but_not_within_warmup():
     machine = StageMachine(warmup_iterations=2, policy_trials=2)
     assert machine.advance(False, 0) is None  # iteration 1
     transition = machine.advance(True, 0, "lazy initialisation in iteration 1")  # iteration 2 differs from 1
-    assert transition.after == GEN_POLICY, "WarmUp renews its reference every iteration: no restart"
+    assert transition.after == Stage.GEN_POLICY, "WarmUp renews its reference every iteration: no restart"
     transition = machine.advance(True, 0, "branch taken")
-    assert (transition.before, transition.after) == (GEN_POLICY, WARMUP)
+    assert (transition.before, transition.after) == (Stage.GEN_POLICY, Stage.WARMUP)

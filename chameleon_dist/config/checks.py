@@ -9,6 +9,8 @@ this machine's RAM). Devices are duck-typed: nothing here imports torch.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 from chameleon_dist.config.sizes import Budget, format_size
@@ -56,11 +58,10 @@ def device_conflicts(settings: Any, device: Any) -> list[str]:
     if "capacity" in given and settings.capacity != device.capacity_bytes:
         conflict("capacity", _bytes(settings.capacity), f"capacity {_bytes(device.capacity_bytes)}")
     for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
-        link = getattr(device, name[:3], None)  # only the emulated device has its own link to compare
-        if name in given and link is not None:
-            rate = link.bytes_per_s
-            if rate is None or float(rate) != float(getattr(settings, name)):
-                device_rate = "an instant link" if rate is None else f"{name} {rate:.6g}"
+        if name in given and emulated:  # (only the emulated device's link is its own to compare)
+            rate = getattr(device, name)  # Device.h2d_bytes_per_s / d2h_bytes_per_s; inf: an instant link
+            if math.isinf(rate) or float(rate) != float(getattr(settings, name)):
+                device_rate = "an instant link" if math.isinf(rate) else f"{name} {rate:.6g}"
                 conflict(name, f"{getattr(settings, name)} bytes per second", device_rate)
     if "preset" in given and emulated:
         calibration = getattr(device, "calibration", None)

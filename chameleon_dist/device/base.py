@@ -16,6 +16,33 @@ from torch import nn
 from chameleon_dist.device.host_pool import HostBufferPool
 
 
+# NOTE [Release after copy]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Memory that a copy reads or writes is never handed back for reuse before that copy has completed. The
+# device layer enforces this for each of the three kinds of memory a swap touches:
+#
+# - The swap-out's device source. ``copy_to_host`` returns at once and the caller drops its references
+#   right away: from then on the device holds the source storage, so its block cannot be freed while the
+#   copy reads it. The device lets go of it
+#   * ``EmulatedDevice``: on the link's worker thread, the moment its copy has completed (``link.py``);
+#     ``release_all_sources`` and ``release_completed_sources`` have nothing left to do;
+#   * ``CudaDevice``: at ``release_completed_sources`` (the copies whose done-event has fired; no waiting),
+#     or at ``release_all_sources``, the planned release point, which does not skip an unfinished copy but
+#     orders it on the GPU: the stream the block was allocated on waits for the copy's done-event (the host
+#     does not block) before the reference is dropped, and the caching allocator reuses blocks in stream
+#     order, so the block is handed out again only after the copy. No ``record_stream`` anywhere (the
+#     paper's "custom recordStream").
+# - The swap-in's device destination, allocated on the compute stream and written by the copy. On CUDA a
+#   handle dropped before anyone ``wait``-ed on it makes the compute stream wait for its copy on the way
+#   out (``CudaCopyHandle.__del__``); on the emulated device the link holds the destination until written.
+# - The host buffer in between. Callers give it back with ``release_host`` only after ``wait`` on the last
+#   copy that touches it (or once that copy is ``done()``). On CUDA, where ``wait`` does not block the
+#   host, the device keeps the buffer out of the pool until the done-event of its last copy has fired.
+#
+# The twin rule, "a swapped-in tensor is never read before its copy has completed", is ``wait``'s job.
+# The policy simulator predicts the earliest release this rule allows; the executor picks the release points.
+
+
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over all bytes of ``storage`` (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -48,12 +75,34 @@ PressureHandler = Callable[[int], int]
 
 @runtime_checkable
 class Device(Protocol):
-    """What the executor needs from an accelerator: copies, host buffers and memory accounting."""
+    """What the executor and the runtime need from an accelerator: copies, host buffers, memory accounting
+    and the host link's bandwidth.
+
+    ``d2h_bytes_per_s`` / ``h2d_bytes_per_s`` (read-only) are the device-to-host and host-to-device
+    bandwidths the policy should plan with:
+
+    - a positive number: the link's rate in that direction (the emulated device's modelled link, or the
+      rate a ``CudaDevice`` was built with, i.e. the config's ``device.d2h_bytes_per_s`` /
+      ``device.h2d_bytes_per_s``);
+    - ``math.inf``: an instant link, whose copies complete as they are issued (an emulated device built
+      without a bandwidth);
+    - ``None``: the device does not know its link (a ``CudaDevice`` built without a rate); the caller
+      supplies its own figure."""
 
     name: str
     emulated: bool
     capacity_bytes: int
     host_pool: HostBufferPool
+
+    @property
+    def d2h_bytes_per_s(self) -> float | None:
+        """Device-to-host bandwidth: bytes per second, ``math.inf`` (instant) or ``None`` (unknown)."""
+        ...
+
+    @property
+    def h2d_bytes_per_s(self) -> float | None:
+        """Host-to-device bandwidth: bytes per second, ``math.inf`` (instant) or ``None`` (unknown)."""
+        ...
 
     def live_bytes(self) -> int:
         """Device bytes currently held by live tensors."""
@@ -84,8 +133,8 @@ class Device(Protocol):
     def copy_to_host(self, storage: torch.UntypedStorage) -> CopyHandle | None:
         """Start copying ``storage`` to a host buffer; ``None`` when the host budget has no room.
 
-        The device keeps ``storage`` alive until the copy has completed and then lets it go (the caller
-        drops its own references right away), so device memory returns exactly when it is safe."""
+        The device holds ``storage`` from now on; the caller drops its own references right away (see
+        NOTE [Release after copy])."""
         ...
 
     def copy_to_device(self, host: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle:
@@ -99,15 +148,19 @@ class Device(Protocol):
         ...
 
     def release_host(self, host: torch.Tensor) -> None:
-        """Give a host buffer back to the pool once nothing reads it any more."""
+        """Give a host buffer back to the pool; call after ``wait`` on the last copy that touches it (or
+        once that copy is ``done()``). See NOTE [Release after copy]."""
         ...
 
-    def release_pending(self) -> int:
-        """Let go of every swapped-out source whose copy has completed (ordered after the copy)."""
+    def release_all_sources(self) -> int:
+        """The planned release point: let go of every swap-out source the device still holds, finished or
+        not, each block's reuse ordered after its copy (on the GPU: the host does not block, the compute
+        stream may wait, counted as stall). Returns the bytes let go here. See NOTE [Release after copy]."""
         ...
 
-    def release_completed(self) -> int:
-        """Without waiting: let go of the swapped-out sources whose copies have already completed."""
+    def release_completed_sources(self) -> int:
+        """Let go of the swap-out sources whose copy has already completed; never waits, never stalls.
+        Returns the bytes let go here. See NOTE [Release after copy]."""
         ...
 
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:

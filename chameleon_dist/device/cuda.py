@@ -1,10 +1,8 @@
 """``CudaDevice``: the real accelerator behind the ``Device`` protocol.
 
-One copy stream per direction, CUDA events for ordering, and an exact-size pinned host pool. There is no
-``record_stream`` anywhere (the paper's "custom recordStream"): a swapped-out storage is kept alive by
-its copy handle and let go at a planned point (``release_pending``) right after the stream it was
-allocated on has been made to wait, on the GPU, for the copy's done-event. The caching allocator then
-reuses the block in stream order after the copy, and the host never polls in a loop.
+One copy stream per direction, CUDA events for ordering, and an exact-size pinned host pool. Blocks are
+released after their copies by events and stream waits, never by ``record_stream`` and never by the host
+polling in a loop: see NOTE [Release after copy] in ``device/base.py``.
 
 Importing this module makes no CUDA call; everything that touches CUDA runs inside ``CudaDevice``.
 """
@@ -89,7 +87,7 @@ class CudaCopyHandle:
     ``guard`` is the compute stream whose allocator owns the device block involved (the swapped-out
     source, or the swapped-in destination); it is cleared once that stream has been ordered after the
     copy. A handle dropped while still guarded (e.g. a prefetch never waited on) makes the stream wait
-    for its copy on the way out, so the block cannot be reused while the copy still touches it."""
+    for its copy on the way out (NOTE [Release after copy] in ``device/base.py``)."""
 
     __slots__ = ("nbytes", "result", "event", "source", "guard", "__weakref__")
 
@@ -118,7 +116,10 @@ class CudaDevice:
 
     Methods are called from one thread at a time (the training thread, or autograd's device thread
     during backward, which do not run concurrently). ``capacity_bytes`` defaults to the device's total
-    memory; it is what the policy plans against, the CUDA allocator does not enforce it."""
+    memory; it is what the policy plans against, the CUDA allocator does not enforce it.
+    ``d2h_bytes_per_s`` / ``h2d_bytes_per_s`` are the host link's rates as the caller knows them (the
+    config's ``device.d2h_bytes_per_s`` / ``device.h2d_bytes_per_s``); ``None``, the default, means
+    unknown. The device does not measure them and copies at whatever speed the hardware gives."""
 
     emulated = False
 
@@ -127,6 +128,8 @@ class CudaDevice:
         capacity_bytes: int | None = None,
         host_memory_budget_bytes: int | None = None,
         device_index: int | None = None,
+        d2h_bytes_per_s: float | None = None,
+        h2d_bytes_per_s: float | None = None,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -151,11 +154,16 @@ class CudaDevice:
                 self.name,
                 format_bytes(total_bytes),
             )
+        for direction, rate in (("d2h", d2h_bytes_per_s), ("h2d", h2d_bytes_per_s)):
+            if rate is not None and not rate > 0:
+                raise ValueError(f"{direction} bandwidth must be > 0 bytes/s, got {rate}")
+        self.d2h_bytes_per_s: float | None = None if d2h_bytes_per_s is None else float(d2h_bytes_per_s)
+        self.h2d_bytes_per_s: float | None = None if h2d_bytes_per_s is None else float(h2d_bytes_per_s)
         self.host_allocator = PinnedHostAllocator()
         self.host_pool = HostBufferPool(host_memory_budget_bytes, allocate=self.host_allocator)
         self._d2h_stream = torch.cuda.Stream(device=self.torch_device)
         self._h2d_stream = torch.cuda.Stream(device=self.torch_device)
-        self._pending_d2h: deque[CudaCopyHandle] = deque()  # issue order == completion order
+        self._held_sources: deque[CudaCopyHandle] = deque()  # swap-outs whose source is held; issue order
         self._pending_host: list[tuple[torch.Tensor, object]] = []  # (buffer, event of its last copy)
         self._host_last_copy: dict[int, object] = {}  # host buffer address -> done-event of its last copy
         self._stall_pairs: list[tuple[object, object]] = []
@@ -204,7 +212,7 @@ class CudaDevice:
     # ---- copies -----------------------------------------------------------------------------
     def copy_to_host(self, storage: torch.UntypedStorage) -> CudaCopyHandle | None:
         self._release_finished_host_buffers()
-        self._drop_completed_sources()
+        self.release_completed_sources()
         host = self.host_pool.acquire(storage.nbytes())
         if host is None:
             return None
@@ -216,7 +224,7 @@ class CudaDevice:
         done.record(self._d2h_stream)
         self._note_host_copy(host, done)
         handle = CudaCopyHandle(host, done, guard=compute, source=storage)
-        self._pending_d2h.append(handle)
+        self._held_sources.append(handle)
         return handle
 
     def copy_to_device(self, host: torch.Tensor, after: CudaCopyHandle | None = None) -> CudaCopyHandle:
@@ -247,43 +255,44 @@ class CudaDevice:
         return handle.result
 
     def release_host(self, host: torch.Tensor) -> None:
-        """Back to the pool once the last copy that reads or writes it has completed (checked again in
-        ``copy_to_host``, ``release_pending`` and ``synchronize``)."""
+        """Back to the pool now if its last copy has completed, else once its done-event has fired (checked
+        again in ``copy_to_host``, ``release_all_sources`` and ``synchronize``)."""
         event = self._host_last_copy.pop(host.data_ptr(), None) if host.numel() else None
         if event is None or event.query():
             self.host_pool.release(host)
         else:
             self._pending_host.append((host, event))
 
-    def release_pending(self) -> int:
-        """Let go of EVERY pending swap-out source, finished or not, and return their bytes.
+    def release_all_sources(self) -> int:
+        """Let go of EVERY held swap-out source, finished or not, and return their bytes; also returns to
+        the pool the host buffers whose last copy has completed.
 
-        This is the planned release point: a copy still running is not skipped (that would keep its
-        block for an unknown time) but ordered on the GPU: the source's compute stream waits for the
-        copy's done-event (timed as stall) before the reference is dropped, so the allocator reuses the
-        block only after the copy. Copies complete in issue order, so one wait per stream suffices."""
+        A copy still running is not skipped (that would keep its block for an unknown time): its source's
+        compute stream waits for the copy's done-event on the GPU (timed as stall) before the reference is
+        dropped. Copies complete in issue order, so one wait per stream, on its newest unfinished copy,
+        suffices. See NOTE [Release after copy] in ``device/base.py``."""
         self._release_finished_host_buffers()
         latest_unfinished: dict[object, object] = {}
-        for handle in self._pending_d2h:
+        for handle in self._held_sources:
             if handle.guard is not None and not handle.done():
                 latest_unfinished[handle.guard] = handle.event
         for stream, event in latest_unfinished.items():
             self._timed_wait(stream, event)
         released_bytes = 0
-        while self._pending_d2h:
-            handle = self._pending_d2h.popleft()
+        while self._held_sources:
+            handle = self._held_sources.popleft()
             released_bytes += handle.nbytes
             handle.guard = None
             handle.source = None
         return released_bytes
 
-    def release_completed(self) -> int:
-        """The earliest safe release, without waiting: let go of the swap-out sources whose copy's
-        done-event has fired (the copies of one stream complete in issue order, so the scan stops at the
-        first unfinished one)."""
+    def release_completed_sources(self) -> int:
+        """The earliest release, without waiting: let go of the held swap-out sources whose copy's
+        done-event has fired and return their bytes (the copies of one stream complete in issue order, so
+        the scan stops at the first unfinished one)."""
         released_bytes = 0
-        while self._pending_d2h and self._pending_d2h[0].done():
-            handle = self._pending_d2h.popleft()
+        while self._held_sources and self._held_sources[0].done():
+            handle = self._held_sources.popleft()
             released_bytes += handle.nbytes
             handle.guard = None
             handle.source = None
@@ -304,7 +313,7 @@ class CudaDevice:
         """Block the host until both copy streams are idle, then let go of every source and buffer."""
         self._d2h_stream.synchronize()
         self._h2d_stream.synchronize()
-        self._drop_completed_sources()
+        self.release_completed_sources()
         self._release_finished_host_buffers()
         self._host_last_copy.clear()  # every copy recorded so far has completed
 
@@ -346,12 +355,6 @@ class CudaDevice:
     def _note_host_copy(self, host: torch.Tensor, done) -> None:
         if host.numel():
             self._host_last_copy[host.data_ptr()] = done
-
-    def _drop_completed_sources(self) -> None:
-        while self._pending_d2h and self._pending_d2h[0].done():
-            handle = self._pending_d2h.popleft()
-            handle.guard = None
-            handle.source = None
 
     def _release_finished_host_buffers(self) -> None:
         if not self._pending_host:

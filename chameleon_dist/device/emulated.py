@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from typing import Iterator
@@ -29,7 +30,8 @@ class EmulatedDevice:
 
     ``preset`` (e.g. "ascend-910b") scales both link directions to this CPU's measured matmul rate so that
     the compute-to-transfer ratio matches that accelerator; it cannot be combined with explicit
-    bandwidths. ``cpu_flop_per_s`` skips the start-up measurement (tests)."""
+    bandwidths. ``cpu_flop_per_s`` skips the start-up measurement (tests). A direction built without a
+    bandwidth (``None``) is an instant link: its ``*_bytes_per_s`` property reads ``math.inf``."""
 
     emulated = True
 
@@ -57,6 +59,17 @@ class EmulatedDevice:
         self.host_pool = HostBufferPool(host_memory_budget_bytes)
         self._stall_s = 0.0
         self._stall_lock = threading.Lock()
+
+    # ---- link -------------------------------------------------------------------------------
+    @property
+    def d2h_bytes_per_s(self) -> float:
+        """The emulated device-to-host link's bandwidth; ``math.inf`` for an instant link."""
+        return _link_bytes_per_s(self.d2h)
+
+    @property
+    def h2d_bytes_per_s(self) -> float:
+        """The emulated host-to-device link's bandwidth; ``math.inf`` for an instant link."""
+        return _link_bytes_per_s(self.h2d)
 
     # ---- accounting -------------------------------------------------------------------------
     def live_bytes(self) -> int:
@@ -117,14 +130,16 @@ class EmulatedDevice:
         return handle.result
 
     def release_host(self, host: torch.Tensor) -> None:
+        """At once: here ``wait`` blocks until the copy has completed (NOTE [Release after copy])."""
         self.host_pool.release(host)
 
-    def release_pending(self) -> int:
-        """Sources are let go by the link's worker the moment their copy completes: nothing to do."""
+    def release_all_sources(self) -> int:
+        """Nothing to do: the link lets go of each source the moment its copy completes, never before (see
+        NOTE [Release after copy] in ``device/base.py``)."""
         return 0
 
-    def release_completed(self) -> int:
-        """As ``release_pending``: the link's worker already let go of every completed source."""
+    def release_completed_sources(self) -> int:
+        """Nothing to do: the link already let go of every source whose copy has completed."""
         return 0
 
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
@@ -143,3 +158,7 @@ class EmulatedDevice:
             link.drain()
             with self._stall_lock:
                 self._stall_s += time.perf_counter() - start_s
+
+
+def _link_bytes_per_s(link: EmulatedLink) -> float:
+    return math.inf if link.bytes_per_s is None else float(link.bytes_per_s)

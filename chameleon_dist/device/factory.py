@@ -35,7 +35,12 @@ def make_device(config: "ChameleonConfig") -> Device:
     if kind == "cuda":
         from chameleon_dist.device.cuda import CudaDevice
 
-        return CudaDevice(capacity_bytes=settings.capacity, host_memory_budget_bytes=host_budget_bytes)
+        return CudaDevice(
+            capacity_bytes=settings.capacity,
+            host_memory_budget_bytes=host_budget_bytes,
+            d2h_bytes_per_s=settings.d2h_bytes_per_s,
+            h2d_bytes_per_s=settings.h2d_bytes_per_s,
+        )
     capacity_bytes = settings.capacity
     if capacity_bytes is None:
         logger.info("emulated device without device.capacity: memory is metered but never runs out")

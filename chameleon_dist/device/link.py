@@ -73,8 +73,9 @@ class EmulatedLink:
         weakref.finalize(self, self._queue.put, None)
 
     def copy(self, source: torch.Tensor, destination: torch.Tensor, after: EmulatedCopyHandle | None = None) -> EmulatedCopyHandle:
-        """Queue ``destination.copy_(source)`` (after ``after`` completes); the handle drops ``source``
-        once the copy is done. On an instant link, the caller must have waited for ``after`` already."""
+        """Queue ``destination.copy_(source)`` (after ``after`` completes); the handle holds ``source``
+        until the copy is done (NOTE [Release after copy] in ``device/base.py``). On an instant link, the
+        caller must have waited for ``after`` already."""
         handle = EmulatedCopyHandle(source, destination, after)
         if self.bytes_per_s is None:  # an instant link: the copy is done by the time it is issued
             _complete(handle, self.stats, self.name)
@@ -117,5 +118,5 @@ def _complete(handle: EmulatedCopyHandle, stats: LinkStats, name: str, bytes_per
     stats.busy_s += time.perf_counter() - start_s
     stats.copied_bytes += handle.nbytes
     stats.copies += 1
-    handle._source = None  # the device block may go now: its copy has completed
+    handle._source = None  # only now: NOTE [Release after copy] in device/base.py
     handle._done.set()

@@ -35,7 +35,8 @@ class SwapEntry:
         self.trace_index = -1  # index of its SwappedTensor in a detailed trace, when one is recorded
         self.planned = False  # a policy scheduled its swap-in
         self.writes = 0  # in-place writes seen to the swapped storage (or its restored bytes) since the swap
-        # the device original, while anything (the user, a retained graph, the copy in flight) keeps it alive
+        # the device original, while anything keeps it alive: the user, a retained graph, or the device,
+        # which holds it at least until its swap-out has completed (NOTE [Release after copy] in device/base.py)
         self.source = weakref.ref(source)
         self.reused_source = False  # restored by reusing the live original: no copy, no new device bytes
         self.reuse_counted = False
@@ -82,8 +83,8 @@ class SwapEntry:
         return self.device_bytes
 
     def _release_host_if_copied(self) -> None:
-        """A reused original no longer needs the host copy: give it back once the swap-out completed
-        (else the destructor does, after waiting for it)."""
+        """A reused original no longer needs the host copy: give it back if the swap-out is done (else the
+        destructor does, after waiting for it; NOTE [Release after copy] in device/base.py)."""
         to_host = self.to_host
         if to_host is not None and to_host.done():
             self._device.release_host(to_host.result)
@@ -91,7 +92,8 @@ class SwapEntry:
 
     def __del__(self) -> None:
         # Never (fully) swapped back in: no backward, an exception, a forward pass with grad on. The host
-        # buffer goes back to the pool once the last copy that touches it has completed.
+        # buffer goes back after a wait on the last copy that touches it (NOTE [Release after copy] in
+        # device/base.py).
         to_host = self.to_host
         if to_host is None:
             return

@@ -1,18 +1,18 @@
-"""The baseline swap executor: saved-tensor hooks that move activations to the host and back.
+"""``SwapExecutor``: saved-tensor hooks that move activations to the host and back, as a policy says.
 
-Every saved activation whose storage holds at least ``min_swap_bytes`` leaves the device asynchronously
-when autograd saves it and comes back when backward needs it, with the next ``prefetch_depth`` swapped
-storages (in reverse save order, the order backward usually needs them) brought back ahead of time.
+Without a policy, every saved activation whose storage holds at least ``min_swap_bytes`` leaves the device
+asynchronously when autograd saves it and comes back when backward needs it, with the next
+``prefetch_depth`` swapped storages (in reverse save order, the order backward usually needs them)
+brought back ahead of time. With a policy (``IterationContext.policy``), only the saved storages the
+policy matches leave the device (see NOTE [Save-ordinal matching] in ``matching.py``); each comes back when
+the iteration's op count reaches its planned swap-in trigger (checked whenever autograd unpacks a saved
+tensor), shifted by how far the sequence had moved at its save; one needed before its prefetch started is
+fetched on demand and counted. Under memory pressure the executor first lets in-flight swap-outs land,
+then swaps out idle kept tensors synchronously (passive swap).
+
 Never swapped: parameters and views of parameters, tensors that are not plain dense device tensors, and
 anything packed while a backward pass runs (recompute inside backward). Values are copied byte for byte
-and views are rebuilt with their exact strides, so training stays bit-identical. A later issue replaces
-the "swap everything" rule by policy-driven decisions; the mechanics here stay.
-
-With a policy (``use_policy``), only the saved storages the policy matches leave the device (see
-``matching``); each comes back when the iteration's op count reaches its planned swap-in trigger (checked
-whenever autograd unpacks a saved tensor), shifted by how far the sequence had moved at its save; one
-needed before its prefetch started is fetched on demand and counted. Under memory pressure the executor
-first lets in-flight swap-outs land, then swaps out idle kept tensors synchronously (passive swap).
+and views are rebuilt with their exact strides, so training stays bit-identical.
 """
 
 from __future__ import annotations
@@ -22,73 +22,62 @@ import dataclasses
 import heapq
 import logging
 import weakref
-from typing import Callable, ContextManager, Iterator, Protocol
+from typing import Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
-from chameleon_dist.executor.matching import MatchCounts, PolicyMatcher
+from chameleon_dist.executor.context import IterationContext, SwapCounters
+from chameleon_dist.executor.matching import PolicyMatcher
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor
 from chameleon_dist.policy.model import Policy
-from chameleon_dist.trace.writes import WrittenTensors
+from chameleon_dist.trace.writes import WriteWatch
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
+TIGHTEN_FACTOR = 16
+"""``tighten()`` divides ``min_swap_bytes`` by this (and goes to 0 below 1 KiB)."""
 
-@dataclasses.dataclass
-class SwapCounters:
-    """What the executor did during one iteration."""
-
-    swap_out_bytes: int = 0
-    swap_in_bytes: int = 0
-    swapped_storages: int = 0  # storages copied out (views of one storage share one copy)
-    kept_for_host_budget_bytes: int = 0
-    prefetched: int = 0
-    saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
-    on_demand: int = 0  # swap-ins started only when backward needed the tensor
-    reused_original_bytes: int = 0  # restores that reused the still-alive device original (no copy)
-    passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure
-    passive_swaps: int = 0
-    matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
-
-
-class SwapObserver(Protocol):
-    """What the detailed profiler wants to hear from the executor (profiling iterations only)."""
-
-    def on_saved(self, tensor: torch.Tensor) -> None: ...
-
-    def on_swap_out(self, storage: torch.UntypedStorage) -> int: ...
-
-    def on_swap_in(self, swap_index: int, at_op: int) -> None: ...
-
-    def on_restored(self, swap_index: int, tensor: torch.Tensor) -> None: ...
-
-    @property
-    def op_count(self) -> int: ...
-
-
-class WriteWatch(TorchDispatchMode):
-    """Reports every in-place write to ``on_write`` (for an executor used without the runtime, whose
-    profiler already reports writes from its own dispatch mode)."""
-
-    def __init__(self, on_write: Callable[[list[torch.Tensor]], None]) -> None:
-        super().__init__()
-        self._on_write = on_write
-        self._written = WrittenTensors()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        written = self._written.of(func, args, kwargs)
-        if written:
-            self._on_write(written)
-        return func(*args, **(kwargs or {}))
+_IDLE = IterationContext()
 
 
 class SwapExecutor:
-    """Installs the swap hooks for one iteration at a time (``active()``)."""
+    """Swaps the activations autograd saves to host memory and back, one iteration at a time.
+
+    Inside ``with executor.active(context):`` every tensor autograd saves goes through the executor's
+    saved-tensor hooks: it stays on the device, or (policy decision, or every eligible tensor without a
+    policy) its storage is copied to the host asynchronously and its device block released once the copy
+    completed (NOTE [Release after copy] in ``device/base.py``), and it is copied back before backward
+    reads it. Values come back byte for byte: losses and gradients are bit-identical to a run without it.
+
+    Args:
+        device: where activations live and the host link they travel over (CUDA or emulated).
+        min_swap_bytes: storages smaller than this are never swapped (their copies cost more in launch
+            overhead than they free). ``tighten()`` lowers it after an out-of-memory error.
+        prefetch_depth: without a planned swap-in point, how many swapped storages (in reverse save
+            order) are brought back ahead of the one backward needs. More hides more copy time but holds
+            more device memory during backward.
+
+    Raises:
+        ValueError: for a negative ``min_swap_bytes`` or ``prefetch_depth``.
+        RuntimeError: when backward unpacks a saved tensor that was changed in place after its save,
+            as autograd does (kept, swapped, or with its copy still in flight).
+
+    Example::
+
+        executor = SwapExecutor(device, min_swap_bytes=2**20)
+        executor.protect(model)  # parameters and buffers never leave
+        with executor.active(IterationContext(policy=policy)) as counters:
+            loss = model(batch).sum()
+            loss.backward()
+        print(counters.swap_out_bytes)
+
+    Under memory pressure the device calls ``relieve_pressure`` (the runtime installs it as the device's
+    pressure handler). After an out-of-memory error, ``new_attempt`` starts the iteration over.
+    """
 
     def __init__(self, device: Device, min_swap_bytes: int, prefetch_depth: int = 2) -> None:
         if min_swap_bytes < 0:
@@ -108,14 +97,12 @@ class SwapExecutor:
         self._order: list[weakref.ReferenceType[SwapEntry]] = []
         self._host_budget_warned = False
         self._swapped_since_release = False
-        self.observer: SwapObserver | None = None
-        self.matcher: PolicyMatcher | None = None
-        self.op_clock: Callable[[], int] = lambda: -1  # ops seen so far in the iteration (-1: unknown)
+        self._context = _IDLE  # what the caller gave ``active`` for the current iteration
+        self._matcher: PolicyMatcher | None = None
         self._ordinals: dict[int, tuple[int, weakref.ReferenceType]] = {}
         self._next_ordinal = 0
         self._triggers: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
-        self.quiet: Callable[[], ContextManager[None]] = contextlib.nullcontext  # hides own ops from profilers
 
     # ---- setup ------------------------------------------------------------------------------
     def protect(self, module: nn.Module) -> None:
@@ -134,28 +121,35 @@ class SwapExecutor:
                 keys.add(storage_key(tensor.untyped_storage()))
         self._protected_keys = keys
 
-    def use_policy(self, policy: Policy | None) -> None:
-        """Swap what ``policy`` says from the next iteration on (None: swap every eligible tensor)."""
+    @property
+    def policy(self) -> Policy | None:
+        """The policy the current attempt applies (None: every eligible tensor is swapped)."""
+        return self._matcher.policy if self._matcher is not None else None
+
+    def _use_policy(self, policy: Policy | None) -> None:
         if policy is None:
-            self.matcher = None
-        elif self.matcher is None or self.matcher.policy is not policy:  # (reset per iteration by ``active``)
-            self.matcher = PolicyMatcher(policy)
+            self._matcher = None
+        elif self._matcher is None or self._matcher.policy is not policy:  # (reset per attempt)
+            self._matcher = PolicyMatcher(policy)
 
     @contextlib.contextmanager
-    def active(self, writes_reported: bool = False) -> Iterator[SwapCounters]:
-        """Swap during the block; yields this iteration's counters. In-place writes must reach
-        ``note_writes``: pass ``writes_reported=True`` when a dispatch mode of the caller's reports them
-        (the runtime's profiler does), else the executor watches for them with a dispatch mode of its own."""
+    def active(self, context: IterationContext | None = None) -> Iterator[SwapCounters]:
+        """Swap during the block, as ``context`` says (default: no policy, no profiler, the executor
+        watches for in-place writes itself); yields this iteration's counters."""
+        context = context if context is not None else _IDLE
+        self._context = context
+        self._use_policy(context.policy)
         self.counters = SwapCounters()
         self._refresh_protected()
         self._start_attempt()
-        watch = contextlib.nullcontext() if writes_reported else WriteWatch(self.note_writes)
+        watch = contextlib.nullcontext() if context.writes_reported else WriteWatch(self.note_writes)
         try:
             with watch, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self.counters
-            self.device.release_pending()
+            self.device.release_all_sources()
         finally:
             self._clear()
+            self._context = _IDLE
 
     def note_writes(self, tensors) -> None:
         """An op is about to write ``tensors`` in place: count it on every entry whose bytes live in one
@@ -186,19 +180,30 @@ class SwapExecutor:
         self._by_storage.pop(key, None)
         self._watched.pop(key, None)
 
-    def new_attempt(self) -> None:
+    def new_attempt(self, swap_everything: bool = False) -> None:
         """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
-        yielded, emptied in place) and the save numbering describe only the attempt that completes."""
+        yielded, emptied in place) and the save numbering describe only the attempt that completes.
+        ``swap_everything`` drops the policy for the rest of the iteration (it did not hold)."""
         fresh = SwapCounters()
         for field in dataclasses.fields(SwapCounters):
             setattr(self.counters, field.name, getattr(fresh, field.name))
+        if swap_everything:
+            self._use_policy(None)
         self._start_attempt()
+
+    def tighten(self) -> int:
+        """After an out-of-memory error with every eligible tensor swapped: swap smaller tensors too.
+        Divides ``min_swap_bytes`` by ``TIGHTEN_FACTOR`` (0 below 1 KiB) and returns the new value."""
+        self.min_swap_bytes //= TIGHTEN_FACTOR
+        if self.min_swap_bytes < 1024:
+            self.min_swap_bytes = 0
+        return self.min_swap_bytes
 
     def _start_attempt(self) -> None:
         """Matching, release flag and per-iteration bookkeeping start over (the counters are fresh)."""
-        if self.matcher is not None:
-            self.matcher.reset()
-            self.counters.matches = self.matcher.counts
+        if self._matcher is not None:
+            self._matcher.reset()
+            self.counters.matches = self._matcher.counts
         self._swapped_since_release = False
         self._clear()
 
@@ -227,28 +232,28 @@ class SwapExecutor:
         return self.device.is_device_tensor(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | KeptTensor | SwappedTensor:
-        with self.quiet():
+        with self._context.hide_own_ops():
             return self._pack_quietly(tensor)
 
     def _pack_quietly(self, tensor: torch.Tensor) -> torch.Tensor | KeptTensor | SwappedTensor:
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
-        if self.observer is not None:
-            self.observer.on_saved(tensor)
-        if self.matcher is not None:
-            self.device.release_completed()  # swap-outs whose copy landed give their device blocks back now
+        if self._context.observer is not None:
+            self._context.observer.on_saved(tensor)
+        if self._matcher is not None:
+            self.device.release_completed_sources()  # (NOTE [Release after copy] in device/base.py)
         ordinal, seen = self._ordinal_of(tensor.untyped_storage())
         entry = None
         if self._eligible(tensor):
-            if self.matcher is None:
+            if self._matcher is None:
                 entry = self._entry_for(tensor)
             elif seen:  # another view of a storage already decided: swapped (shares its copy) or kept
                 if self._by_storage.get(storage_key(tensor.untyped_storage())) is not None:
                     entry = self._entry_for(tensor)
             else:
-                op_count = self.op_clock()
-                planned = self.matcher.match(ordinal, tensor, op_count)
+                op_count = self._context.op_clock()
+                planned = self._matcher.match(ordinal, tensor, op_count)
                 if planned is not None:
                     entry = self._entry_for(tensor)
                     if entry is not None and not entry.planned:  # schedule its prefetch (shifted like the save)
@@ -259,7 +264,7 @@ class SwapExecutor:
         if entry is not None:
             return SwappedTensor(entry, tensor)
         kept = KeptTensor(tensor)
-        if self.matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and self._eligible(tensor):
+        if self._matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and self._eligible(tensor):
             self._kept.append(weakref.ref(kept))  # a passive swap may take it later
         return kept
 
@@ -284,7 +289,7 @@ class SwapExecutor:
             return entry  # same bytes already on their way out: share the host copy
         handle = self.device.copy_to_host(storage)
         if handle is None:
-            self.counters.kept_for_host_budget_bytes += storage.nbytes()
+            self.counters.kept_on_device_bytes += storage.nbytes()
             if not self._host_budget_warned:
                 logger.warning(
                     "host_memory_budget is full: keeping %s activations on the device (raise host_memory_budget)",
@@ -293,8 +298,8 @@ class SwapExecutor:
                 self._host_budget_warned = True
             return None
         entry = SwapEntry(self.device, handle, tensor._version, position=len(self._order), source=storage)
-        if self.observer is not None:
-            entry.trace_index = self.observer.on_swap_out(storage)
+        if self._context.observer is not None:
+            entry.trace_index = self._context.observer.on_swap_out(storage)
         self._by_storage[key] = weakref.ref(entry)
         self._watch(storage, entry)
         self._order.append(weakref.ref(entry))
@@ -304,12 +309,12 @@ class SwapExecutor:
         return entry
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
-        with self.quiet():
+        with self._context.hide_own_ops():
             return self._unpack_quietly(packed)
 
     def _unpack_quietly(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         if self._triggers:
-            self._fire_triggers(self.op_clock())
+            self._fire_triggers(self._context.op_clock())
         if isinstance(packed, KeptTensor):
             if packed.swapped is None:
                 return packed.unpack()
@@ -319,9 +324,9 @@ class SwapExecutor:
         packed.check_version()
         if self._swapped_since_release:
             # Planned release point: a backward pass begins, so every swap-out issued in the forward pass
-            # lets go of its device block, ordered after its copy (the emulated link does this itself).
+            # lets go of its device block (NOTE [Release after copy] in device/base.py).
             self._swapped_since_release = False
-            self.device.release_pending()
+            self.device.release_all_sources()
         entry = packed.entry
         if not entry.restored:
             if not entry.in_flight and entry.planned:
@@ -333,16 +338,16 @@ class SwapExecutor:
             if not entry.planned:
                 self._prefetch_before(entry)
         tensor = packed.rebuild(entry.device_bytes)
-        if self.observer is not None and entry.trace_index >= 0:
-            self.observer.on_restored(entry.trace_index, tensor)
+        if self._context.observer is not None and entry.trace_index >= 0:
+            self._context.observer.on_restored(entry.trace_index, tensor)
         return tensor
 
     def _swap_in(self, entry: SwapEntry) -> None:
-        at_op = self.observer.op_count if self.observer is not None else -1
+        at_op = self._context.observer.op_count if self._context.observer is not None else -1
         if entry.start_swap_in():
             self.counters.swap_in_bytes += entry.nbytes
-            if self.observer is not None:
-                self.observer.on_swap_in(entry.trace_index, at_op)
+            if self._context.observer is not None:
+                self._context.observer.on_swap_in(entry.trace_index, at_op)
         elif entry.reused_source and not entry.reuse_counted:
             entry.reuse_counted = True
             self.counters.reused_original_bytes += entry.nbytes
@@ -385,14 +390,18 @@ class SwapExecutor:
 
     # ---- memory pressure --------------------------------------------------------------------
     def relieve_pressure(self, short_bytes: int) -> int:
-        """Before an out-of-memory error: let pending swap-outs complete so their blocks are released; if
-        that is not enough, swap out idle kept tensors synchronously, best fit first (passive swap)."""
+        """Before an out-of-memory error: release every held swap-out source and wait for the copies
+        (``release_all_sources`` + ``synchronize``); if that is not enough, swap out idle kept tensors
+        synchronously, best fit first (passive swap). Counts ``passive_swaps`` and ``pressure_waits``."""
         before = self.device.live_bytes()
-        self.device.release_pending()
+        self.device.release_all_sources()
         self.device.synchronize()
         freed = max(before - self.device.live_bytes(), 0)
+        passive_swaps = self.counters.passive_swaps
         if freed < short_bytes and self._kept:
             freed += self._passive_swap(short_bytes - freed)
+        if self.counters.passive_swaps == passive_swaps and freed > 0:
+            self.counters.pressure_waits += 1
         logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
         return freed
 
@@ -411,7 +420,7 @@ class SwapExecutor:
             entry.planned = False  # comes back on demand / with the fallback prefetch
             k.swap_out(SwappedTensor(entry, k.tensor))
             self.device.wait(entry.to_host)
-            self.device.release_pending()
+            self.device.release_all_sources()
             self.counters.passive_swaps += 1
             self.counters.passive_swap_bytes += entry.nbytes
             freed += max(before - self.device.live_bytes(), 0)

@@ -2,19 +2,15 @@
 
 from chameleon_dist.profiler.recorder import TraceRecorder, layer_of
 from chameleon_dist.profiler.signature import Comparison, OpVocabulary, Signature, SignatureMode, compare
-from chameleon_dist.profiler.stages import GEN_POLICY, STABLE, WARMUP, StageMachine, Transition
+from chameleon_dist.profiler.stages import StageMachine
 
 __all__ = [
     "Comparison",
-    "GEN_POLICY",
     "OpVocabulary",
-    "STABLE",
     "Signature",
     "SignatureMode",
     "StageMachine",
     "TraceRecorder",
-    "Transition",
-    "WARMUP",
     "compare",
     "layer_of",
 ]

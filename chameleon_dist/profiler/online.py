@@ -14,7 +14,8 @@ from torch import nn
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import Comparison, OpVocabulary, Signature, SignatureMode, compare
-from chameleon_dist.profiler.stages import WARMUP, StageMachine, Transition
+from chameleon_dist.profiler.stages import StageMachine
+from chameleon_dist.trace.stages import Stage, Transition
 from chameleon_dist.trace.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class Observation:
     ``failed_attempts`` counts out-of-memory retries (see ``OnlineProfiler.new_attempt``) and
     ``failed_attempt_passive_swaps`` the passive swaps their attempts needed."""
 
-    stage: str
+    stage: Stage
     ids: list[int]
     recorder: TraceRecorder | None
     failed_attempts: int = 0
@@ -35,7 +36,7 @@ class Observation:
 
 @dataclasses.dataclass(frozen=True)
 class IterationProfile:
-    stage: str  # the stage the iteration ran in
+    stage: Stage  # the stage the iteration ran in
     signature: Signature
     comparison: Comparison
     transition: Transition | None
@@ -63,7 +64,7 @@ class OnlineProfiler:
         self.last_trace: StepTrace | None = None
 
     @property
-    def stage(self) -> str:
+    def stage(self) -> Stage:
         return self.stages.stage
 
     @contextlib.contextmanager
@@ -79,7 +80,7 @@ class OnlineProfiler:
         tensor an op writes in place (the swap executor must know; no second dispatch mode needed)."""
         stage = self.stages.stage
         ids: list[int] = []
-        if stage == WARMUP:
+        if stage == Stage.WARMUP:
             recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated, self.scope)
             recorder.signature_ids = ids
             for model in models:
@@ -127,7 +128,7 @@ class OnlineProfiler:
         transition = self.stages.advance(comparison.major, all_passive_swaps, comparison.reason, over_budget)
         # The reference is the sequence the current (or upcoming) policy is built from: renewed in every
         # profiled iteration and whenever the runtime goes back to WarmUp.
-        if self.reference is None or observation.recorder is not None or self.stages.stage == WARMUP:
+        if self.reference is None or observation.recorder is not None or self.stages.stage == Stage.WARMUP:
             self.reference = signature
         trace = self.last_trace if observation.recorder is not None else None
         return IterationProfile(observation.stage, signature, comparison, transition, trace)

@@ -12,19 +12,11 @@ of a job (lazy initialisation: optimizer state, framework buffers) routinely dif
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
+from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+
 logger = logging.getLogger(__name__)
-
-WARMUP, GEN_POLICY, STABLE = "warmup", "gen_policy", "stable"
-
-
-@dataclasses.dataclass(frozen=True)
-class Transition:
-    before: str
-    after: str
-    reason: str
 
 
 class StageMachine:
@@ -33,7 +25,7 @@ class StageMachine:
             raise ValueError("profiler.warmup_iterations must be >= 0 and profiler.policy_trials >= 1")
         self.warmup_iterations = warmup_iterations
         self.policy_trials = policy_trials
-        self.stage = WARMUP if warmup_iterations > 0 else GEN_POLICY
+        self.stage = Stage.WARMUP if warmup_iterations > 0 else Stage.GEN_POLICY
         self._done_in_stage = 0
 
     def advance(
@@ -42,24 +34,26 @@ class StageMachine:
         """Account one finished iteration; returns the transition it caused, if any. ``over_budget``
         (a reason) says a Stable iteration went over the memory budget: its policy no longer holds."""
         before = self.stage
-        if passive_swaps and self.stage != WARMUP:
-            return self._go(WARMUP, f"{passive_swaps} passive swap(s): the device ran out of memory", before)
-        if over_budget and self.stage == STABLE:
-            return self._go(WARMUP, over_budget, before)
-        if major_change and self.stage != WARMUP:
-            return self._go(WARMUP, f"operator sequence changed: {change_reason}", before)
+        if passive_swaps and self.stage != Stage.WARMUP:
+            return self._go(Stage.WARMUP, TransitionCause.PASSIVE_SWAP,
+                            f"{passive_swaps} passive swap(s): the device ran out of memory", before)
+        if over_budget and self.stage == Stage.STABLE:
+            return self._go(Stage.WARMUP, TransitionCause.OVER_BUDGET, over_budget, before)
+        if major_change and self.stage != Stage.WARMUP:
+            return self._go(Stage.WARMUP, TransitionCause.SEQUENCE_CHANGED, f"operator sequence changed: {change_reason}", before)
         self._done_in_stage += 1
-        if self.stage == WARMUP and self._done_in_stage >= self.warmup_iterations:
-            return self._go(GEN_POLICY, f"{self._done_in_stage} warm-up iteration(s) profiled", before)
-        if self.stage == GEN_POLICY and self._done_in_stage >= self.policy_trials:
-            return self._go(STABLE, f"{self._done_in_stage} policy trial(s) done", before)
+        if self.stage == Stage.WARMUP and self._done_in_stage >= self.warmup_iterations:
+            return self._go(Stage.GEN_POLICY, TransitionCause.PROFILED,
+                            f"{self._done_in_stage} warm-up iteration(s) profiled", before)
+        if self.stage == Stage.GEN_POLICY and self._done_in_stage >= self.policy_trials:
+            return self._go(Stage.STABLE, TransitionCause.TRIALS_DONE, f"{self._done_in_stage} policy trial(s) done", before)
         return None
 
-    def _go(self, stage: str, reason: str, before: str) -> Transition:
-        if stage == WARMUP and self.warmup_iterations == 0:
-            stage = GEN_POLICY
+    def _go(self, stage: Stage, cause: TransitionCause, reason: str, before: Stage) -> Transition:
+        if stage == Stage.WARMUP and self.warmup_iterations == 0:
+            stage = Stage.GEN_POLICY
         self.stage = stage
         self._done_in_stage = 0
-        transition = Transition(before, stage, reason)
+        transition = Transition(before, stage, cause, reason)
         logger.info("stage %s -> %s: %s", before, stage, reason)
         return transition

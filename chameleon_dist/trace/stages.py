@@ -7,6 +7,7 @@ reacts to transitions) and the runtime's reports all speak of them, and ``policy
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
@@ -24,3 +25,14 @@ class TransitionCause(enum.StrEnum):
     SEQUENCE_CHANGED = "sequence_changed"  # the paper's test: a new policy is needed
     PASSIVE_SWAP = "passive_swap"  # the device ran out of memory under the applied policy
     OVER_BUDGET = "over_budget"  # a Stable iteration peaked above the memory budget
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """One move of the stage machine: from ``before`` to ``after``, with its typed ``cause`` (for code to
+    branch on) and a readable ``reason`` (for logs and reports)."""
+
+    before: Stage
+    after: Stage
+    cause: TransitionCause
+    reason: str

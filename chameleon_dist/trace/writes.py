@@ -10,6 +10,7 @@ mode that already sees every op (the profiler's) asks ``WrittenTensors`` and rep
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _NOTHING: tuple = ()
 
@@ -51,3 +52,19 @@ class WrittenTensors:
             elif isinstance(value, (list, tuple)):
                 written.extend(item for item in value if isinstance(item, torch.Tensor))
         return written
+
+
+class WriteWatch(TorchDispatchMode):
+    """Reports every in-place write to ``on_write``: for a swap executor used without a profiler, whose
+    dispatch mode would otherwise report them."""
+
+    def __init__(self, on_write) -> None:
+        super().__init__()
+        self._on_write = on_write
+        self._written = WrittenTensors()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        written = self._written.of(func, args, kwargs)
+        if written:
+            self._on_write(written)
+        return func(*args, **(kwargs or {}))

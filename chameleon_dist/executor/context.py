@@ -1,0 +1,75 @@
+"""What the swap executor receives for one iteration (``IterationContext``) and what it reports back
+(``SwapCounters``), and what a detailed profiler hears from it (``SwapObserver``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, ContextManager, Protocol
+
+import torch
+
+from chameleon_dist.executor.matching import MatchCounts
+from chameleon_dist.policy.model import Policy
+
+
+def _unknown_op_count() -> int:
+    return -1
+
+
+class SwapObserver(Protocol):
+    """What the detailed profiler wants to hear from the executor (profiling iterations only)."""
+
+    def on_saved(self, tensor: torch.Tensor) -> None: ...
+
+    def on_swap_out(self, storage: torch.UntypedStorage) -> int: ...
+
+    def on_swap_in(self, swap_index: int, at_op: int) -> None: ...
+
+    def on_restored(self, swap_index: int, tensor: torch.Tensor) -> None: ...
+
+    @property
+    def op_count(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationContext:
+    """Everything the executor needs from its caller for one iteration (``SwapExecutor.active``).
+
+    Args:
+        policy: what to swap (see NOTE [Save-ordinal matching] in ``executor/matching.py``); None swaps
+            every eligible tensor of at least ``min_swap_bytes`` (the paper's WarmUp behaviour).
+        op_clock: the number of ops the iteration has run so far; planned swap-ins fire on it. The
+            default (-1, unknown) fires them at the first unpack of backward.
+        observer: the detailed profiler of a profiling iteration, told of every save, swap and restore.
+        hide_own_ops: a context-manager factory under which the executor runs its own ops (copies,
+            views), so that a profiler does not count them as the model's.
+        writes_reported: True when the caller's dispatch mode already reports in-place writes to
+            ``SwapExecutor.note_writes`` (the runtime's profiler does); else the executor watches for them
+            with a dispatch mode of its own.
+    """
+
+    policy: Policy | None = None
+    op_clock: Callable[[], int] = _unknown_op_count
+    observer: SwapObserver | None = None
+    hide_own_ops: Callable[[], ContextManager[None]] = contextlib.nullcontext
+    writes_reported: bool = False
+
+
+@dataclasses.dataclass
+class SwapCounters:
+    """What the executor did during one iteration (after an out-of-memory retry: during the attempt
+    that completed)."""
+
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swapped_storages: int = 0  # storages copied out (views of one storage share one copy)
+    kept_on_device_bytes: int = 0  # swaps host_memory_budget refused: those tensors stayed on the device
+    prefetched: int = 0
+    saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
+    on_demand: int = 0  # swap-ins started only when backward needed the tensor
+    reused_original_bytes: int = 0  # restores that reused the still-alive device original (no copy)
+    passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure
+    passive_swaps: int = 0
+    pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs alone
+    matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
