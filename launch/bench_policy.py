@@ -9,7 +9,7 @@ generate policies for a Llama2-7B-shaped trace.
     a median over the recorded iterations. Models: dense (every layer attention + MLP) and MoE-style
     (every other layer's MLP replaced by ``--experts`` expert MLPs with top-``--top-k`` routing and a
     skewed router, so token counts per expert are uneven). Figures are CPU figures (emulated/CPU).
-(2) ``generate_policies`` on the 7B meta trace (``profiler.meta_llama``: 32 layers, hidden 4096,
+(2) ``generate_policies`` on the 7B meta trace (``models.llama``: 32 layers, hidden 4096,
     seq 4096, bf16). Meta tensors do no compute, so the trace's iteration time is replaced by an estimate
     (6 * parameters * tokens + attention FLOPs over a 910B-class peak at a stated efficiency) and its
     meaningless layer times are cleared. Per budget: seconds per generated policy (one call's time over
@@ -23,7 +23,6 @@ generate policies for a Llama2-7B-shaped trace.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import statistics
 import sys
@@ -37,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from chameleon_dist.models import llama
+from chameleon_dist.planner.profiles import load_model
 from chameleon_dist.policy import (
     PolicySettings,
     calibrated_group_times_s,
@@ -45,7 +46,6 @@ from chameleon_dist.policy import (
     generate_policies,
     logical_layers,
 )
-from chameleon_dist.profiler import meta_llama
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import OpVocabulary
@@ -217,7 +217,7 @@ def eq1_model(kind: str, args: argparse.Namespace) -> dict:
 
 
 # ---- (2) generation time on the 7B meta trace ---------------------------------------------------------
-def iteration_estimate(shape: meta_llama.LlamaShape, peak_flops: float, efficiency: float) -> dict:
+def iteration_estimate(shape: llama.LlamaShape, peak_flops: float, efficiency: float) -> dict:
     """FLOPs of one forward + backward: 6 * parameters * tokens for the weights, plus the attention score
     and probs @ V matmuls (4 * b * s^2 * h per layer forward, x3 with backward, no causal saving)."""
     b, s, h, layers = shape.micro_batch_size, shape.seq_length, shape.hidden_size, shape.num_layers
@@ -230,7 +230,7 @@ def iteration_estimate(shape: meta_llama.LlamaShape, peak_flops: float, efficien
 def generation(args: argparse.Namespace) -> dict:
     shape = args.llama_shape
     start = time.perf_counter()
-    meta = meta_llama.record_meta_trace(shape)
+    meta = llama.record_meta_trace(shape)
     trace_s = time.perf_counter() - start
     trace = meta.trace
     estimate = iteration_estimate(shape, args.peak_tflops * 1e12, args.efficiency)
@@ -264,7 +264,7 @@ def generation(args: argparse.Namespace) -> dict:
                      "swapped_tensors": sum(e.decision == "swap" for e in best.entries), "reason": best.reason},
         })
     return {
-        "shape": dataclasses.asdict(shape),
+        "shape": shape.model_dump(),
         "parameters": shape.parameter_count(),
         "trace": {"wall_s": trace_s, "build_s": meta.build_s, "record_s": meta.record_s, "ops": len(trace.ops),
                   "candidates": len(find_candidates(trace, MIN_SWAP_BYTES)), "no_swap_peak_bytes": no_swap_peak,
@@ -302,7 +302,7 @@ def print_report(r: dict) -> None:
     g = r["generation"]
     e, t = g["iteration_estimate"], g["trace"]
     print()
-    print(f"(2) generate_policies on a Llama-shaped META trace ({meta_llama.LlamaShape(**g['shape']).describe()}); "
+    print(f"(2) generate_policies on a Llama-shaped META trace ({llama.LlamaShape(**g['shape']).describe()}); "
           f"generator on this CPU")
     print(f"trace: {t['ops']} ops, {t['candidates']} candidates >= {format_bytes(g['min_swap_bytes'])}, no-swap peak "
           f"{format_bytes(t['no_swap_peak_bytes'])} (model state {format_bytes(t['model_state_bytes'])}); built in "
@@ -347,12 +347,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tiny sizes (2 layers, hidden 64, a 2-layer Llama), budgets as fractions of the peak")
     parser.add_argument("--json", type=Path, help="write the results to this file")
     args = parser.parse_args(argv)
-    args.llama_shape = meta_llama.LLAMA_PRESETS["llama2-7b"]
+    args.llama_shape = llama.LlamaShape.from_profile(load_model("llama2-7b"))
     args.budget_fractions = None
     if args.small:
         args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab = 2, 64, 4, 32, 2, 256
         args.experts, args.iterations, args.warmup, args.repeats = 4, 2, 1, 2
-        args.llama_shape = meta_llama.LlamaShape(2, 256, 4, 1024, 1, 512, 256)
+        args.llama_shape = llama.LlamaShape(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=1024,
+                                            micro_batch_size=1, ffn_hidden_size=512, vocab_size=256)
         args.budget_fractions = [0.8, 0.6]
     if args.layers < 2 or args.iterations < 1 or args.repeats < 1 or not 0 < args.top_k <= max(args.experts, 1):
         parser.error("need --layers >= 2, --iterations >= 1, --repeats >= 1 and 0 < --top-k <= --experts")

@@ -17,13 +17,16 @@ and the predicted iteration time is compared with the measured one for each sett
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import statistics
 import time
 import warnings
 from pathlib import Path
 from types import MappingProxyType
+
+from chameleon_dist.config import read_mapping
+from chameleon_dist.config.shipped import DEFAULT_JOB
+from chameleon_dist.models import TransformerShape
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "planner.md"
@@ -38,21 +41,9 @@ RECOMPUTE_OVERRIDES = MappingProxyType({  # Megatron TransformerConfig fields
 })
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    vocab_size: int = 1024
-    seq_length: int = 256
-    micro_batch_size: int = 4
-
-    def describe(self) -> str:
-        return (f"{self.num_layers} layers, hidden {self.hidden_size}, {self.num_attention_heads} heads, "
-                f"seq {self.seq_length}, micro-batch {self.micro_batch_size}, vocab {self.vocab_size}")
-
-
-VALIDATION_SHAPES = (Shape(), Shape(num_layers=2, hidden_size=128, seq_length=512, micro_batch_size=2))
+DEFAULT_SHAPE = TransformerShape(**read_mapping(DEFAULT_JOB, what="job file")["model"])  # the main job's model
+VALIDATION_SHAPES = (DEFAULT_SHAPE, TransformerShape(
+    num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=1024, seq_length=512, micro_batch_size=2))
 SETTINGS = (("none", False), ("selective", False), ("full", False), ("none", True))
 
 
@@ -60,7 +51,7 @@ class Trainer:
     """One CPU Megatron GPT with its own Chameleon runtime and emulated device, stepping on demand (inside
     a ``megatron_cpu_session``; several can share one session)."""
 
-    def __init__(self, shape: Shape, recompute: str = "none", swap: bool = False,
+    def __init__(self, shape: TransformerShape, recompute: str = "none", swap: bool = False,
                  link_bytes_per_s: float | None = None, min_swap_bytes: int = 0, seed: int = 1234,
                  capacity_bytes: int | None = None) -> None:
         import torch
@@ -68,10 +59,10 @@ class Trainer:
         from chameleon_dist.config import ChameleonConfig
         from chameleon_dist.device import EmulatedDevice
         from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-        from chameleon_dist.integrations.megatron.gpt import GPTShape, build_gpt
+        from chameleon_dist.integrations.megatron.gpt import build_gpt
         from chameleon_dist.runtime import Chameleon
 
-        self.shape = GPTShape(**dataclasses.asdict(shape))
+        self.shape = shape
         self.seed = seed
         self.model = build_gpt(self.shape, seed=seed, **RECOMPUTE_OVERRIDES[recompute])
         config = ChameleonConfig(enabled=swap, min_swap_bytes=min_swap_bytes, device={"kind": "emulated"})
@@ -113,7 +104,7 @@ class Trainer:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def measure_peak_bytes(shape: Shape, recompute: str = "none", swap: bool = False, iterations: int = 2,
+def measure_peak_bytes(shape: TransformerShape, recompute: str = "none", swap: bool = False, iterations: int = 2,
                        min_swap_bytes: int = 0, seed: int = 1234) -> int:
     """The emulated device's measured peak over the iterations after the first (Adam's state exists from
     then on), in a fresh session on an unbounded device with an instant link."""
@@ -127,10 +118,11 @@ def measure_peak_bytes(shape: Shape, recompute: str = "none", swap: bool = False
     return max(trainer.peaks[1:] or trainer.peaks)
 
 
-def predicted_peak_bytes(shape: Shape, recompute: str = "none", swap: bool = False, min_swap_bytes: int = 0) -> int:
+def predicted_peak_bytes(shape: TransformerShape, recompute: str = "none", swap: bool = False, min_swap_bytes: int = 0) -> int:
     from chameleon_dist.planner.calibrate import cpu_peak, cpu_setup, megatron_cpu_gpt
 
-    model = megatron_cpu_gpt(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.vocab_size, shape.seq_length)
+    model = megatron_cpu_gpt(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.vocab_size,
+                             shape.seq_length, shape.ffn_hidden_size)
     setup = cpu_setup(shape.micro_batch_size, shape.seq_length, min_swap_bytes=min_swap_bytes)
     return cpu_peak(model, setup, shape.micro_batch_size, recompute, swap_everything=swap).peak_bytes
 
@@ -150,7 +142,7 @@ TIME_SETTINGS = (("none", False), ("full", False), ("none", True))
 SWAP_CAPACITY_BYTES = 120 * 2**20  # below the default shape's 135 MiB unswapped peak; the budget is 90% of it
 
 
-def time_rows(shape: Shape = Shape(), rounds: int = 6, warmup: int = 8, link_bytes_per_s: float = 1e9,
+def time_rows(shape: TransformerShape = DEFAULT_SHAPE, rounds: int = 6, warmup: int = 8, link_bytes_per_s: float = 1e9,
               capacity_bytes: int = SWAP_CAPACITY_BYTES, seed: int = 1234) -> tuple[list[dict], dict]:
     """One session, one model per setting, iterations in round robin (so that a change in machine load
     hits every setting alike); medians over the rounds after ``warmup`` (the profiler's WarmUp iterations
@@ -175,7 +167,8 @@ def time_rows(shape: Shape = Shape(), rounds: int = 6, warmup: int = 8, link_byt
                 if key == ("none", False) and round_index >= warmup:
                     layer_s.extend(trainer.layer_s)
     reference = trainers[("none", False)]
-    model = megatron_cpu_gpt(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.vocab_size, shape.seq_length)
+    model = megatron_cpu_gpt(shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.vocab_size,
+                             shape.seq_length, shape.ffn_hidden_size)
     setup = cpu_setup(shape.micro_batch_size, shape.seq_length)
     optimizer_s = statistics.median(reference.optimizer_s[warmup:])
     hardware = calibrated_hardware(model, setup, shape.micro_batch_size, statistics.median(layer_s), optimizer_s,
@@ -202,7 +195,7 @@ def validation_markdown(memory: list[dict], timing: list[dict], calibration: dic
     for r in memory:
         lines.append(f"| {r['shape']} | {r['recompute']} | {'everything' if r['swap'] else 'no'} | "
                      f"{r['measured_bytes'] / mib:.1f} MiB | {r['predicted_bytes'] / mib:.1f} MiB | {r['error'] * 100:+.1f}% |")
-    lines += ["", f"Time calibration (shape: {Shape().describe()}): one layer's forward "
+    lines += ["", f"Time calibration (shape: {DEFAULT_SHAPE.describe()}): one layer's forward "
               f"{calibration['layer_forward_s'] * 1e3:.2f} ms -> {calibration['effective_flops_per_s'] / 1e9:.1f} GFLOP/s; "
               f"Adam step {calibration['optimizer_s'] * 1e3:.1f} ms; emulated link "
               f"{calibration['link_bytes_per_s'] / 1e9:.1f} GB/s per direction; the swap run's device holds "

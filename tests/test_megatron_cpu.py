@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from chameleon_dist.integrations.megatron import CPU_PATCHES, CudaLiteralsToCpu
+from chameleon_dist.models import TransformerShape
 from chameleon_dist.patching import upstream_original
 
 gpt = pytest.importorskip("chameleon_dist.integrations.megatron.gpt")
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 1234
-TINY = gpt.GPTShape(
+TINY = TransformerShape(
     num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=32, micro_batch_size=4
 )
 
@@ -118,8 +119,8 @@ def test_default_causal_mask_shim_matches_an_explicit_mask():
 
 def test_shape_and_config_errors_name_the_setting():
     with pytest.raises(ValueError, match="num_attention_heads"):
-        gpt.GPTShape(num_layers=1, hidden_size=30, num_attention_heads=4, vocab_size=8, seq_length=4,
-                     micro_batch_size=1)
+        TransformerShape(num_layers=1, hidden_size=30, num_attention_heads=4, vocab_size=8, seq_length=4,
+                         micro_batch_size=1)
     assert TINY.ffn_hidden_size == 4 * TINY.hidden_size
     with pytest.raises(RuntimeError, match="megatron_cpu_session"):
         gpt.build_gpt(TINY)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from chameleon_dist.cli import trace as trace_cli
-from chameleon_dist.profiler import meta_llama
+from chameleon_dist.models import llama
 from chameleon_dist.trace.step_trace import StepTrace
 
 TINY_JOB = """\
@@ -46,23 +46,24 @@ def test_llama_shape_on_meta_matches_the_adjusted_formula(tmp_path, capsys):
     shape = result.meta.shape
     assert (shape.num_layers, shape.hidden_size, shape.seq_length, shape.vocab_size) == (2, 256, 128, 1000)
     assert StepTrace.load(out).to_dict() == result.trace.to_dict()
-    by_layer = meta_llama.saved_bytes_by_layer(result.trace)
+    by_layer = llama.saved_bytes_by_layer(result.trace)
     assert sorted(layer for layer in by_layer if layer >= 0) == [0, 1]
     # Korthikanti's s*b*h*(34 + 5as/h) minus dropout, SwiGLU instead of GeLU(4h), RMSNorm keeping its
-    # normalised input: 20sbh + 8sbF + 2as^2b + 4sb (see meta_llama's docstring).
-    expected = meta_llama.llama_layer_bytes(shape)
+    # normalised input: 20sbh + 8sbF + 2as^2b + 4sb (see chameleon_dist.models.llama's docstring).
+    expected = llama.llama_layer_bytes(shape)
     assert expected == 20 * 128 * 256 + 8 * 128 * 688 + 2 * 4 * 128 * 128 + 4 * 128
     for layer in (0, 1):
         assert abs(by_layer[layer] / expected - 1) < 0.25, (layer, by_layer[layer], expected)
-    total_expected = shape.num_layers * expected + meta_llama.llama_outside_layers_bytes(shape)
+    total_expected = shape.num_layers * expected + llama.llama_outside_layers_bytes(shape)
     assert abs(result.trace.saved_bytes() / total_expected - 1) < 0.25
     assert "Korthikanti" in printed and "adjusted for this model" in printed
 
 
 def test_meta_storages_are_followed_to_their_death():
     """weakref.finalize fires for meta storages: activations die in backward, gradients outlive it."""
-    shape = meta_llama.LlamaShape(1, 64, 4, 16, 1, 128, 100)
-    result = meta_llama.record_meta_trace(shape)
+    shape = llama.LlamaShape(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=16, micro_batch_size=1,
+                             ffn_hidden_size=128, vocab_size=100)
+    result = llama.record_meta_trace(shape)
     trace = result.trace
     saved = {t.storage_id for t in trace.tensors if t.saved and not t.is_parameter}
     made_here = [trace.storages[i] for i in saved if trace.storages[i].created_at >= 0]

@@ -16,7 +16,7 @@ import logging
 import sys
 
 from chameleon_dist.config import ConfigError
-from chameleon_dist.planner import report
+from chameleon_dist.planner import tables
 from chameleon_dist.planner.layout import RECOMPUTE_MODES
 from chameleon_dist.planner.profiles import (
     HARDWARE_KIND,
@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
                         recompute=args.recompute, swap=(False,) if args.no_swap else (False, True))
     result = search(model, hardware, setup, args.devices, space)
     if args.json:
-        text = json.dumps(report.result_dict(result), indent=1, default=str)
+        text = json.dumps(tables.result_dict(result), indent=1, default=str)
         if args.json == "-":
             print(text)
         else:
@@ -121,5 +121,5 @@ def _run(args: argparse.Namespace) -> int:
                 handle.write(text)
             print(f"chameleon-plan: result written to {args.json}", file=sys.stderr)
     if args.json != "-":
-        print(report.text_report(result, top=args.top))
+        print(tables.text_report(result, top=args.top))
     return 0 if result.best is not None else 3

@@ -3,8 +3,9 @@
 Default: the main job's Megatron-core GPT (``configs/jobs/train_gpt_cpu.yaml``, ``--config`` merged over
 it) on an unconstrained emulated device with Chameleon enabled, so saved tensors are marked and swaps are
 recorded; the first (WarmUp) iteration of a new runtime is the one traced. ``--model llama2-7b``: a
-plain-PyTorch Llama-shaped model on the ``meta`` device (no memory, no compute), one forward and backward,
-compared with the Korthikanti activation estimate. The trace is written as JSON (``StepTrace.save``).
+plain-PyTorch Llama-shaped model (``chameleon_dist.models.llama``, shaped by ``configs/models/llama2-7b.yaml``)
+on the ``meta`` device (no memory, no compute), one forward and backward, compared with the Korthikanti
+activation estimate. The trace is written as JSON (``StepTrace.save``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import time
 import warnings
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from chameleon_dist.config import ConfigError
-from chameleon_dist.profiler import meta_llama
+from chameleon_dist.models import llama
+from chameleon_dist.planner.profiles import load_model
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
 
@@ -45,13 +49,13 @@ class TraceRun:
     path: Path
     record_s: float
     unrecorded_s: list[float]
-    meta: meta_llama.MetaTraceResult | None = None
+    meta: llama.MetaTraceResult | None = None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="chameleon-trace", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--model", default=JOB_MODEL, choices=(JOB_MODEL, *meta_llama.LLAMA_PRESETS),
+        "--model", default=JOB_MODEL, choices=(JOB_MODEL, *llama.LLAMA_MODELS),
         help="job: the main job's Megatron-core GPT (default); llama2-7b: a Llama-shaped model on meta tensors",
     )
     parser.add_argument("--config", type=Path, help="YAML job file merged over configs/jobs/train_gpt_cpu.yaml (--model job)")
@@ -74,11 +78,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--compare-iterations must be >= 0")
     args.llama_shape = None
     if args.model != JOB_MODEL:
+        preset = llama.LlamaShape.from_profile(load_model(args.model))  # configs/models/<name>.yaml
         try:
-            args.llama_shape = dataclasses.replace(meta_llama.LLAMA_PRESETS[args.model], **overrides)
-        except ValueError as exc:
-            parser.error(str(exc))
+            args.llama_shape = llama.LlamaShape(**{**preset.model_dump(), **overrides})
+        except ValidationError as exc:
+            parser.error(_shape_problems(exc))
     return args
+
+
+def _shape_problems(exc: ValidationError) -> str:
+    """``num_layers must be a positive integer, got 0``: one line per problem of an overridden shape."""
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "greater_than":
+            problems.append(f"{field} must be a positive integer, got {error['input']!r}")
+        else:
+            problems.append(error["msg"].removeprefix("Value error, "))
+    return "; ".join(problems)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,8 +117,8 @@ def run(args: argparse.Namespace) -> TraceRun:
     else:
         shape = args.llama_shape
         print(f"chameleon-trace: Llama-shaped model on META tensors (no memory, no compute): {shape.describe()}", flush=True)
-        meta = meta_llama.record_meta_trace(shape)
-        unrecorded = [meta_llama.time_meta_iteration(shape) for _ in range(args.compare_iterations)]
+        meta = llama.record_meta_trace(shape)
+        unrecorded = [llama.time_meta_iteration(shape) for _ in range(args.compare_iterations)]
         result = TraceRun(meta.trace, out, meta.record_s, unrecorded, meta)
     out.parent.mkdir(parents=True, exist_ok=True)
     result.path = result.trace.save(out)
@@ -170,7 +187,7 @@ def _print_summary(result: TraceRun) -> None:
     print("top-10 ops by count: " + ", ".join(f"{name.removeprefix('aten.')} {n}" for name, n in counts.most_common(10)))
     saved = sum(t.saved for t in trace.tensors)
     print(f"saved for backward: {format_bytes(trace.saved_bytes())} ({saved} tensors; parameters excluded)")
-    by_layer = meta_llama.saved_bytes_by_layer(trace)
+    by_layer = llama.saved_bytes_by_layer(trace)
     if len(by_layer) > 1:
         print("saved by the layer that made it: " + _layer_groups(by_layer))
     curve, measured = trace.no_swap_memory_curve(), trace.memory_curve()
@@ -205,15 +222,15 @@ def _layer_groups(by_layer: dict[int, int]) -> str:
     return ", ".join(parts)
 
 
-def _print_llama_estimate(meta: meta_llama.MetaTraceResult) -> None:
+def _print_llama_estimate(meta: llama.MetaTraceResult) -> None:
     shape, trace = meta.shape, meta.trace
-    by_layer = {layer: n for layer, n in meta_llama.saved_bytes_by_layer(trace).items() if layer >= 0}
+    by_layer = {layer: n for layer, n in llama.saved_bytes_by_layer(trace).items() if layer >= 0}
     per_layer = statistics.mean(by_layer.values()) if by_layer else 0
-    adjusted, korthikanti = meta_llama.llama_layer_bytes(shape), meta_llama.korthikanti_layer_bytes(shape)
-    outside = meta_llama.llama_outside_layers_bytes(shape)
+    adjusted, korthikanti = llama.llama_layer_bytes(shape), llama.korthikanti_layer_bytes(shape)
+    outside = llama.llama_outside_layers_bytes(shape)
     layers = shape.num_layers
     peak = max(trace.no_swap_memory_curve(), default=0)
-    end = meta_llama.end_of_forward(trace)
+    end = llama.end_of_forward(trace)
     forward_bytes = trace.ops[end].live_bytes - trace.start_live_bytes if end >= 0 else 0
     print(f"recorded on meta: {len(trace.ops)} ops, {len(trace.tensors)} tensors, {len(trace.storages)} storages; "
           f"build {meta.build_s:.2f} s, record {meta.record_s:.2f} s")

@@ -14,16 +14,17 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, Validati
 
 from chameleon_dist.cli.timeline import ModelOpTimeline, sampling
 from chameleon_dist.config import ChameleonConfig, ConfigError, DeviceConfig
+from chameleon_dist.config.shipped import DEFAULT_JOB
 from chameleon_dist.device import EmulatedDevice, EmulatedOutOfMemoryError
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.integrations.megatron.gpt import GPTShape, build_gpt, gpt_loss, megatron_cpu_session, synthetic_batch
-from chameleon_dist.profiler import STABLE, WARMUP
+from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES, make_device
+from chameleon_dist.integrations.megatron.gpt import build_gpt, gpt_loss, megatron_cpu_session, synthetic_batch
+from chameleon_dist.models import TransformerShape
+from chameleon_dist.trace.stages import Stage
 from chameleon_dist.report import IterationReport
 from chameleon_dist.runtime import Chameleon
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_JOB = Path(__file__).resolve().parents[2] / "configs" / "jobs" / "train_gpt_cpu.yaml"
 # The WarmUp curve of the run with Chameleon: iteration 1 also creates Adam's state (more ops), so the
 # first iteration with the same ops as every later one is 2, a WarmUp iteration with the default settings.
 WARMUP_TIMELINE_ITERATION = 2
@@ -45,7 +46,7 @@ class TrainJob(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: GPTShape
+    model: TransformerShape
     train: TrainSettings = TrainSettings()
     chameleon: ChameleonConfig
 
@@ -138,16 +139,14 @@ def for_unconstrained_device(config: ChameleonConfig) -> ChameleonConfig:
 
 
 def constrained_device(config: ChameleonConfig) -> EmulatedDevice:
-    settings = config.device
-    if settings.capacity is None:
+    """The emulated device ``config.device`` describes (capacity, link, preset, host budget), made by
+    ``make_device``; the main job always runs emulated, so ``device.kind`` is taken as "emulated"."""
+    if config.device.capacity is None:
         raise ConfigError(["chameleon.device.capacity: the main job needs an emulated capacity (e.g. \"96MiB\")"])
-    return EmulatedDevice(
-        capacity_bytes=settings.capacity,
-        h2d_bytes_per_s=settings.h2d_bytes_per_s,
-        d2h_bytes_per_s=settings.d2h_bytes_per_s,
-        preset=settings.preset,
-        host_memory_budget_bytes=config.host_memory_budget_bytes(),
-    )
+    emulated = config.device.model_copy(update={"kind": "emulated"})
+    device = make_device(config.model_copy(update={"device": emulated}))
+    assert isinstance(device, EmulatedDevice)
+    return device
 
 
 def train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedDevice, progress: ProgressFn | None = None) -> RunResult:
@@ -184,7 +183,7 @@ def _train(job: TrainJob, label: str, config: ChameleonConfig, device: EmulatedD
 
         stage = chameleon.stage  # the stage this iteration runs in
         plotted = result.timeline is None and _may_plot(settings, iteration, stage)
-        warmup_curve = config.enabled and iteration == WARMUP_TIMELINE_ITERATION and stage == WARMUP
+        warmup_curve = config.enabled and iteration == WARMUP_TIMELINE_ITERATION and stage == Stage.WARMUP
         timeline = ModelOpTimeline(device.live_bytes, chameleon.profiler.scope) if plotted or warmup_curve else None
         try:
             if timeline is not None:
@@ -219,14 +218,14 @@ def _may_plot(settings: TrainSettings, iteration: int, stage: str) -> bool:
     """Whether to sample this iteration for the plot (``_plot_this`` decides after it ran)."""
     if settings.timeline_iteration is not None:
         return iteration == settings.timeline_iteration
-    return stage == STABLE or iteration == settings.iterations  # the last one if none is Stable
+    return stage == Stage.STABLE or iteration == settings.iterations  # the last one if none is Stable
 
 
 def _plot_this(settings: TrainSettings, iteration: int, report: IterationReport, enabled: bool) -> bool:
     """The first Stable iteration (with Chameleon: under a chosen policy), the asked one, or the last."""
     if settings.timeline_iteration is not None or iteration == settings.iterations:
         return True
-    return report.stage == STABLE and (bool(report.policy) or not enabled)
+    return report.stage == Stage.STABLE and (bool(report.policy) or not enabled)
 
 
 @dataclasses.dataclass(frozen=True)

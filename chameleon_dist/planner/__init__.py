@@ -2,8 +2,8 @@
 VPP, EP, micro-batch), recomputation and Chameleon swapping trains fastest, and by how much.
 
 Pure Python: a per-rank cost model (``memory``, ``timing``), the policy simulator for the swap option
-(``swap_model``), a layout search (``search``), reports (``report``) and the paper's comparison
-(``reproduce``). Profiles live in ``configs/models`` and ``configs/hardware``.
+(``swap_model``), a layout search (``search``), comparison tables (``tables``) and the paper's
+comparison (``reproduce``). Profiles live in ``configs/models`` and ``configs/hardware``.
 """
 
 from chameleon_dist.planner.layout import RECOMPUTE_MODES, Layout, in_flight_chunks, schedule

@@ -1,8 +1,9 @@
 """Model, hardware and training-setup profiles for the planner, and their loaders.
 
-Profiles are data (``configs/models/*.yaml``, ``configs/hardware/*.yaml``); every number in a shipped
-profile carries its source in a comment. Sizes and rates accept the project's size strings ("64GB",
-"25GB/s"). Loading problems are :class:`~chameleon_dist.config.ConfigError` naming the setting.
+Profiles are data (``configs/models/*.yaml``, ``configs/hardware/*.yaml``, shipped with the package: see
+``chameleon_dist.config.shipped``); every number in a shipped profile carries its source in a comment.
+Sizes and rates accept the project's size strings ("64GB", "25GB/s"). Loading problems are
+:class:`~chameleon_dist.config.ConfigError` naming the setting.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from chameleon_dist.config import ConfigError, read_mapping
+from chameleon_dist.config.shipped import CONFIGS_DIR
 from chameleon_dist.config.sizes import SizeError, parse_size_bytes
+from chameleon_dist.models.shape import TransformerShape
 
 logger = logging.getLogger(__name__)
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 MODELS_DIR = CONFIGS_DIR / "models"
 HARDWARE_DIR = CONFIGS_DIR / "hardware"
 
@@ -97,6 +99,15 @@ class ModelProfile(_Profile):
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def shape(self, micro_batch_size: int = 1) -> TransformerShape:
+        """The dimensions, at the profile's ``seq_length``, with ``micro_batch_size`` sequences per micro-batch
+        (the architecture fields, e.g. grouped-query attention or experts, stay here)."""
+        return TransformerShape(
+            num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size, vocab_size=self.vocab_size, seq_length=self.seq_length,
+            micro_batch_size=micro_batch_size,
+        )
 
     @property
     def mlp_matrices(self) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES, CudaLiteralsToCpu
 
-_LAZY_FROM_GPT = ("GPTShape", "build_gpt", "gpt_loss", "megatron_cpu_session", "synthetic_batch", "CpuSession")
+_LAZY_FROM_GPT = ("build_gpt", "gpt_loss", "megatron_cpu_session", "synthetic_batch", "CpuSession")
 
 __all__ = ["CPU_PATCHES", "CudaLiteralsToCpu", *_LAZY_FROM_GPT]
 

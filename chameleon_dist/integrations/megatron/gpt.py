@@ -3,8 +3,8 @@
 Typical use::
 
     with megatron_cpu_session(seed=1234):
-        shape = GPTShape(num_layers=2, hidden_size=64, num_attention_heads=4,
-                         vocab_size=128, seq_length=32, micro_batch_size=2)
+        shape = TransformerShape(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                 vocab_size=128, seq_length=32, micro_batch_size=2)
         model = build_gpt(shape, seed=1234)
         loss = gpt_loss(model, synthetic_batch(shape, step=0, seed=1234))
         loss.backward()
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES
+from chameleon_dist.models.shape import TransformerShape
 from chameleon_dist.patching import PatchSet, apply_patches
 
 with warnings.catch_warnings():
@@ -43,31 +43,6 @@ with warnings.catch_warnings():
 logger = logging.getLogger(__name__)
 
 _DROPOUT_FIELDS = ("hidden_dropout", "attention_dropout")
-
-
-class GPTShape(BaseModel):
-    """Size of a GPT model and of one micro-batch. ``ffn_hidden_size`` defaults to ``4 * hidden_size``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    num_layers: PositiveInt
-    hidden_size: PositiveInt
-    num_attention_heads: PositiveInt
-    ffn_hidden_size: PositiveInt | None = None
-    vocab_size: PositiveInt
-    seq_length: PositiveInt
-    micro_batch_size: PositiveInt
-
-    @model_validator(mode="after")
-    def _check(self) -> GPTShape:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.ffn_hidden_size is None:
-            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +119,7 @@ def megatron_cpu_session(
         yield session
 
 
-def transformer_config(shape: GPTShape, **overrides: Any) -> TransformerConfig:
+def transformer_config(shape: TransformerShape, **overrides: Any) -> TransformerConfig:
     """The CPU-safe fp32 ``TransformerConfig`` for ``shape``; ``overrides`` are TransformerConfig fields."""
     for field in _DROPOUT_FIELDS:
         if overrides.get(field, 0.0) != 0.0:
@@ -178,7 +153,7 @@ def transformer_config(shape: GPTShape, **overrides: Any) -> TransformerConfig:
 
 
 def build_gpt(
-    shape: GPTShape,
+    shape: TransformerShape,
     seed: int = 1234,
     *,
     gpt_kwargs: Mapping[str, Any] | None = None,
@@ -210,7 +185,7 @@ def build_gpt(
     return model
 
 
-def synthetic_batch(shape: GPTShape, step: int, seed: int) -> dict[str, torch.Tensor]:
+def synthetic_batch(shape: TransformerShape, step: int, seed: int) -> dict[str, torch.Tensor]:
     """A deterministic micro-batch made locally from ``(seed, step)``; nothing is downloaded.
 
     Each sequence follows ``next = (a * token + c) mod vocab_size`` from a random start, with ``a`` and

@@ -1,5 +1,8 @@
 """A detailed ``StepTrace`` of a Llama-style decoder built on the ``meta`` device (no memory, no compute).
 
+Its shape is a ``LlamaShape``; ``chameleon-trace --model llama2-7b`` takes it from the planner's
+``configs/models/llama2-7b.yaml`` (``LlamaShape.from_profile``).
+
 The model is plain PyTorch: token embedding, ``num_layers`` decoder layers (RMSNorm, attention with
 q/k/v/o projections, rotary positions, causal softmax attention with plain matmuls, RMSNorm, SwiGLU MLP),
 a final RMSNorm and an untied output projection; the loss is cross-entropy on fp32 logits. One forward
@@ -26,35 +29,34 @@ import dataclasses
 import math
 import sys
 import time
-import types
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from pydantic import model_validator
 from torch import nn
 
 from chameleon_dist.device.meter import StorageMeter
+from chameleon_dist.models.shape import TransformerShape
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.scope import TrainingScope
 from chameleon_dist.profiler.signature import OpVocabulary
 from chameleon_dist.trace.step_trace import BACKWARD, StepTrace
 
+if TYPE_CHECKING:
+    from chameleon_dist.planner.profiles import ModelProfile
 
-@dataclasses.dataclass(frozen=True)
-class LlamaShape:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    micro_batch_size: int
-    ffn_hidden_size: int
-    vocab_size: int
+
+class LlamaShape(TransformerShape):
+    """A ``TransformerShape`` for this model: its dtype, a SwiGLU width given explicitly (no ``4 * hidden``
+    default), and an even head dimension (rotary positions)."""
+
     dtype: str = "bfloat16"
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name != "dtype" and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+    @model_validator(mode="after")
+    def _check(self) -> "LlamaShape":  # replaces TransformerShape._check
+        if self.ffn_hidden_size is None:
+            raise ValueError("ffn_hidden_size must be given (the SwiGLU width has no default)")
         if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
@@ -62,14 +64,30 @@ class LlamaShape:
             )
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"dtype {self.dtype!r} is not a torch dtype (e.g. bfloat16)")
+        return self
+
+    @classmethod
+    def from_profile(cls, profile: "ModelProfile", micro_batch_size: int = 1, dtype: str = "bfloat16") -> "LlamaShape":
+        """A planner model profile (``configs/models/``) as this model's shape; the profile must describe
+        this architecture (the Llama 2 7B and 13B profiles do)."""
+        wanted = {  # profile field: (its value, the value this model has)
+            "activation": (profile.activation, "swiglu"),
+            "normalization": (profile.normalization, "rmsnorm"),
+            "position_embedding": (profile.position_embedding, "rope"),
+            "add_bias_linear": (profile.add_bias_linear, False),
+            "tie_embeddings": (profile.tie_embeddings, False),
+            "num_experts": (profile.num_experts, 0),
+            "num_query_groups": (profile.query_groups, profile.num_attention_heads),
+        }
+        different = {name: value for name, (value, this_model) in wanted.items() if value != this_model}
+        if different:
+            raise ValueError(f"model profile {profile.name!r} is not this Llama-style model: "
+                             + ", ".join(f"{name} {value!r}" for name, value in different.items()))
+        return cls(**profile.shape(micro_batch_size).model_dump(), dtype=dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     def parameter_count(self) -> int:
         h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
@@ -83,9 +101,8 @@ class LlamaShape:
         )
 
 
-LLAMA_PRESETS = types.MappingProxyType(
-    {"llama2-7b": LlamaShape(32, 4096, 32, 4096, 1, 11008, 32000)}
-)
+# Shipped planner profiles (configs/models/) of this architecture: ``chameleon-trace --model NAME``.
+LLAMA_MODELS = ("llama2-7b",)
 
 
 # ---- the model ------------------------------------------------------------------------------------
