@@ -3,7 +3,7 @@
 import torch
 
 from chameleon_dist.executor.matching import PolicyMatcher
-from chameleon_dist.policy.model import Policy, PolicyEntry, save_key
+from chameleon_dist.policy.model import Decision, Policy, PolicyEntry, save_key
 
 
 def _entry(ordinal, shape, save_op, dtype="float32"):
@@ -11,8 +11,10 @@ def _entry(ordinal, shape, save_op, dtype="float32"):
     for size in shape:
         nbytes *= size
     return PolicyEntry(
-        "swap", nbytes, 0, 0, 0, ordinal, ordinal, save_op, "aten.mm.default", 0, dtype, tuple(shape), nbytes,
-        save_op, save_op + 1, save_op + 2, 90, 100,
+        decision=Decision.SWAP, nbytes=nbytes, micro_batch=0, layer=0, group=0, save_ordinal=ordinal,
+        layer_save_ordinal=ordinal, save_op_index=save_op, calling_op="aten.mm.default", arg_position=0,
+        dtype=dtype, shape=tuple(shape), tensor_nbytes=nbytes, swap_out_at=save_op, last_forward_use=save_op + 1,
+        release_at=save_op + 2, swap_in_at=90, first_backward_use=100,
     )
 
 

@@ -1,16 +1,8 @@
 """Finding a policy entry for a tensor autograd saves, without stable tensor identities.
 
-The executor numbers the storages saved in an iteration in save order (the same numbering as
-``PolicyEntry.save_ordinal``, parameters included) and notes the op count at the save. A match is:
-
-- **exact**: the traced iteration saved a storage of the same dtype and shape at this ordinal (the
-  sequence is aligned here): the entry at that ordinal, or nothing when the policy keeps it;
-- **fuzzy**: otherwise, among the entries within ``window`` ordinals, those with the same dtype and
-  number of dimensions, bytes within ``bytes_tolerance`` and a save op count within ``op_tolerance``
-  (relative) of the expected one; the nearest ordinal wins. A fuzzy match is taken only when it is
-  unique at that distance (confident); everything else stays on the device.
-
-A wrong match never corrupts data: swapping is exact for any tensor; it can only cost memory or time.
+Eager tensors get new identities every iteration; what repeats is the order in which autograd saves them.
+``PolicyMatcher`` finds a saved storage's entry by its save ordinal, exactly where the sequence is aligned
+and fuzzily nearby where it has shifted. See NOTE [Save-ordinal matching] below for the rule.
 """
 
 from __future__ import annotations
@@ -19,8 +11,34 @@ import dataclasses
 
 import torch
 
-from chameleon_dist.policy.model import Policy, PolicyEntry, save_key
-from chameleon_dist.policy.simulator import SWAP
+from chameleon_dist.policy.model import Decision, Policy, PolicyEntry, save_key
+
+# NOTE [Save-ordinal matching]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A saved tensor has no identity that survives the iteration, so a policy entry names it by its *save
+# ordinal*: the position of its storage among the distinct storages autograd saved in the iteration, in
+# first-save order. Every saved storage counts (parameters and storages the policy keeps included); a
+# second view of a storage already numbered takes that storage's number and adds none. Both sides number
+# the same way:
+#
+# - the generator (policy/assemble.py) numbers the storages of ``StepTrace.saves`` and writes
+#   ``PolicyEntry.save_ordinal`` per entry and ``Policy.save_keys`` ("dtype[shape]" per ordinal, KEEPs
+#   included) so that the executor can tell an aligned sequence from a shifted one;
+# - the executor (executor/swap.py) numbers the storages it packs, starting over at every iteration and
+#   every out-of-memory retry, and asks ``PolicyMatcher.match`` with that ordinal and its op count.
+#
+# A match is
+#
+# - **exact** when the traced iteration saved a storage of the same dtype and shape at this ordinal (the
+#   sequence is aligned here): the entry at that ordinal, or nothing when the policy keeps it;
+# - **fuzzy** otherwise: among the unused entries within ``window`` ordinals, those with the same dtype and
+#   number of dimensions, saved-view bytes within ``bytes_tolerance`` and a save op count within
+#   ``op_tolerance`` (both relative) of the entry's; the nearest ordinal wins, and only when it is unique at
+#   that distance (two equally near: ambiguous, not confident).
+#
+# Each entry is used at most once per attempt. Everything else stays on the device (counted as unmatched
+# when it falls inside the range the policy covers). A wrong match never corrupts data: swapping is exact
+# for any tensor; it can only cost memory or time.
 
 
 @dataclasses.dataclass
@@ -34,7 +52,9 @@ class PolicyMatcher:
     def __init__(self, policy: Policy, window: int = 8, bytes_tolerance: float = 0.5, op_tolerance: float = 0.25) -> None:
         self.policy = policy
         # recompute decisions are carried out as swaps (the executor has no recompute path yet)
-        self._by_ordinal: dict[int, PolicyEntry] = {e.save_ordinal: e for e in policy.entries if e.decision in (SWAP, "recompute")}
+        self._by_ordinal: dict[int, PolicyEntry] = {
+            e.save_ordinal: e for e in policy.entries if e.decision in (Decision.SWAP, Decision.RECOMPUTE)
+        }
         self._window = window
         self._bytes_tolerance = bytes_tolerance
         self._op_tolerance = op_tolerance
@@ -47,6 +67,8 @@ class PolicyMatcher:
         self.counts = MatchCounts()
 
     def match(self, ordinal: int, tensor: torch.Tensor, op_count: int) -> PolicyEntry | None:
+        """The entry for the storage saved at ``ordinal`` after ``op_count`` ops (-1: unknown), or None to
+        keep it on the device. Enforces NOTE [Save-ordinal matching]."""
         dtype = str(tensor.dtype).removeprefix("torch.")
         keys = self.policy.save_keys
         if ordinal < len(keys) and keys[ordinal] == save_key(dtype, tensor.shape):

@@ -11,13 +11,13 @@ from chameleon_dist.policy.layers import (
     eq1_group_times_s,
     logical_layers,
 )
-from chameleon_dist.policy.model import POLICY_SCHEMA_VERSION, LayerLoad, Policy, PolicyEntry
-from chameleon_dist.policy.simulator import KEEP, RECOMPUTE, SWAP, Planned, SimResult, simulate
+from chameleon_dist.policy.model import POLICY_SCHEMA_VERSION, Decision, Infeasibility, LayerLoad, Policy, PolicyEntry
+from chameleon_dist.policy.simulator import Planned, SimResult, simulate
 
 __all__ = [
     "Candidate", "Reduction", "find_candidates", "reduction_list", "score_candidates",
     "PolicySet", "PolicySettings", "generate_policies",
     "Eq1Error", "LayerGroup", "calibrated_group_times_s", "eq1_error", "eq1_group_times_s", "logical_layers",
-    "POLICY_SCHEMA_VERSION", "LayerLoad", "Policy", "PolicyEntry",
-    "KEEP", "RECOMPUTE", "SWAP", "Planned", "SimResult", "simulate",
+    "POLICY_SCHEMA_VERSION", "Decision", "Infeasibility", "LayerLoad", "Policy", "PolicyEntry",
+    "Planned", "SimResult", "simulate",
 ]

@@ -3,7 +3,8 @@
 Eager tensors have no stable identity across iterations, so each entry carries the features the executor
 matches on (micro-batch, layer, the saving op's name and position in the op sequence, the tensor's
 argument position, dtype, shape and bytes, its ordinal among the saves of its layer), the trigger points
-(op indices) for swap-out, release and swap-in, and the decision. JSON round-trip with a schema version.
+(op indices) for swap-out, release and swap-in, and the decision (see NOTE [Save-ordinal matching] in
+executor/matching.py for how an entry is found again). JSON round-trip with a schema version.
 """
 
 from __future__ import annotations
@@ -40,19 +41,29 @@ def save_key(dtype: str, shape) -> str:
     return f"{dtype}{list(shape)}"
 
 
+NEITHER_INPUT_NOR_OUTPUT = -99
+"""``PolicyEntry.arg_position`` of a saved tensor that is neither an input nor an output of the op counted
+as its saver. Negative like the output positions (-1, -2, ...), but beyond any op's output count in
+practice, so it reads as "neither" and not as the 99th output."""
+
+# ``entry_fields`` names that older Policy files wrote, and the field each one is now
+_RENAMED_ENTRY_FIELDS = {"first_use_at": "first_backward_use"}
+
+
 @dataclasses.dataclass(slots=True)
 class PolicyEntry:
-    decision: str  # "swap" or "recompute"
+    decision: Decision  # SWAP or RECOMPUTE (kept tensors have no entry)
     nbytes: int  # bytes of the storage leaving the device
     # matching features
     micro_batch: int
     layer: int  # logical-layer label of the saving op
     group: int  # logical-layer group index
-    save_ordinal: int  # ordinal of this storage among all saved storages of the iteration
+    save_ordinal: int  # See NOTE [Save-ordinal matching] in executor/matching.py
     layer_save_ordinal: int  # ordinal among the saved storages of its (micro-batch, layer)
     save_op_index: int  # ops seen when autograd saved it
     calling_op: str  # the op that saved it
-    arg_position: int  # its position among the calling op's inputs; -(k + 1): k-th output; -99: neither
+    # its position among the calling op's inputs; -(k + 1): k-th output; NEITHER_INPUT_NOR_OUTPUT: neither
+    arg_position: int
     dtype: str
     shape: tuple[int, ...]
     tensor_nbytes: int  # bytes of the saved view
@@ -61,7 +72,7 @@ class PolicyEntry:
     last_forward_use: int
     release_at: int  # predicted earliest safe release (end of this op), -1: not released
     swap_in_at: int  # issue the host-to-device copy at the start of this op
-    first_use_at: int
+    first_backward_use: int  # the op of its first backward use (files before the rename: "first_use_at")
     # predictions
     predicted_stall_s: float = 0.0
     recompute_s: float = 0.0
@@ -95,8 +106,7 @@ class Policy:
     num_ops: int
     trace_iteration: int
     settings: dict[str, Any]
-    # "dtype[shape]" of every storage saved in the traced iteration, by save ordinal (KEEPs included), so the
-    # executor can tell an aligned sequence from a shifted one
+    # "dtype[shape]" by save ordinal (KEEPs included). See NOTE [Save-ordinal matching] in executor/matching.py
     save_keys: list[str] = dataclasses.field(default_factory=list)
     host_kept_bytes: int = 0  # candidates left on the device because of host_budget_bytes
     reason: str = ""  # why it does not fit, in words (empty when it fits)
@@ -109,7 +119,7 @@ class Policy:
         """How far the predicted peak is above the budget (0 when it fits)."""
         return max(0, self.predicted_peak_bytes - self.budget_bytes)
 
-    def saved_bytes(self, decision: str) -> int:
+    def saved_bytes(self, decision: Decision) -> int:
         return sum(e.nbytes for e in self.entries if e.decision == decision)
 
     # ---- summary ----------------------------------------------------------------------------
@@ -121,9 +131,10 @@ class Policy:
             + (" (emulated trace)" if self.emulated else ""),
             f"  time {self.predicted_iteration_s * 1e3:.2f} ms predicted = compute {self.compute_s * 1e3:.2f} ms "
             f"+ stall {self.predicted_stall_s * 1e3:.2f} ms + recompute {self.predicted_recompute_s * 1e3:.2f} ms",
-            f"  swap {sum(e.decision == 'swap' for e in self.entries)} tensors "
-            f"({format_bytes(self.saved_bytes('swap'))}), recompute {sum(e.decision == 'recompute' for e in self.entries)} "
-            f"tensors ({format_bytes(self.saved_bytes('recompute'))})"
+            f"  swap {sum(e.decision == Decision.SWAP for e in self.entries)} tensors "
+            f"({format_bytes(self.saved_bytes(Decision.SWAP))}), "
+            f"recompute {sum(e.decision == Decision.RECOMPUTE for e in self.entries)} "
+            f"tensors ({format_bytes(self.saved_bytes(Decision.RECOMPUTE))})"
             + (f"; kept for the host budget: {format_bytes(self.host_kept_bytes)}" if self.host_kept_bytes else ""),
         ]
         if self.reason:
@@ -151,10 +162,11 @@ class Policy:
         version = data.get("schema_version")
         if version != POLICY_SCHEMA_VERSION:
             raise ValueError(f"policy schema version {version!r} is not supported (this build reads {POLICY_SCHEMA_VERSION})")
-        fields = data["entry_fields"]
+        fields = [_RENAMED_ENTRY_FIELDS.get(name, name) for name in data["entry_fields"]]
         entries = []
         for row in data["entries"]:
             values = dict(zip(fields, row))
+            values["decision"] = Decision(values["decision"])
             values["shape"] = tuple(values["shape"])
             entries.append(PolicyEntry(**values))
         kwargs = {k: v for k, v in data.items() if k not in ("entries", "layers", "entry_fields")}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-SWAP, RECOMPUTE, KEEP = "swap", "recompute", "keep"
+from chameleon_dist.policy.model import Decision
 
 
 @dataclasses.dataclass(slots=True)
@@ -29,7 +29,7 @@ class Planned:
     """One decision as the simulator needs it (op indices into the trace)."""
 
     nbytes: int
-    decision: str  # SWAP or RECOMPUTE
+    decision: Decision  # SWAP or RECOMPUTE (KEEP needs no plan)
     last_forward_use: int
     first_backward_use: int
     swap_out_at: int = -1  # swap-out issued at the end of this op (SWAP)
@@ -81,12 +81,12 @@ def simulate(
     use_at: dict[int, list[int]] = {}
     ready_at: dict[int, list[int]] = {}
     for k, p in enumerate(planned):
-        if p.decision == SWAP:
+        if p.decision == Decision.SWAP:
             out_at.setdefault(p.swap_out_at, []).append(k)
             ready_at.setdefault(max(p.last_forward_use, p.swap_out_at), []).append(k)
             trigger = p.swap_in_at if 0 <= p.swap_in_at <= p.first_backward_use else p.first_backward_use
             in_at.setdefault(trigger, []).append(k)
-        elif p.decision == RECOMPUTE:
+        elif p.decision == Decision.RECOMPUTE:
             outcomes[k].released = True
             outcomes[k].release_at = p.last_forward_use
         use_at.setdefault(p.first_backward_use, []).append(k)
@@ -107,7 +107,7 @@ def simulate(
             delta[i] += p.nbytes
         for k in use_at.get(i, ()):
             p, o = planned[k], outcomes[k]
-            if p.decision == RECOMPUTE:
+            if p.decision == Decision.RECOMPUTE:
                 t += p.recompute_s
                 recompute += p.recompute_s
                 delta[o.release_at + 1] -= p.nbytes
