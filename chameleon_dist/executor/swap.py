@@ -269,8 +269,8 @@ class SwapExecutor:
         return kept
 
     def _ordinal_of(self, storage: torch.UntypedStorage) -> tuple[int, bool]:
-        """Save ordinal of a storage in this iteration, and whether it was saved before (addresses of dead
-        storages get reused: checked)."""
+        """Save ordinal of a storage in this attempt (NOTE [Save-ordinal matching] in ``matching.py``), and
+        whether it was saved before (addresses of dead storages get reused: checked)."""
         key = storage_key(storage)
         known = self._ordinals.get(key)
         if known is not None and known[1]() is storage:
