@@ -26,7 +26,8 @@ from chameleon_dist.planner.profiles import (
     make_setup,
     shipped_names,
 )
-from chameleon_dist.planner.search import PlanError, SearchSpace, search
+from chameleon_dist.planner.search import PlanError, search
+from chameleon_dist.planner.space import SearchSpace
 
 DEFAULT_MODEL, DEFAULT_HARDWARE, DEFAULT_DEVICES = "llama2-7b", "ascend-910b", 8
 

@@ -11,11 +11,25 @@ arXiv 2205.05198), ``p v + p - 1`` chunks (``1 + (p - 1) / (p v)`` of the model'
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import enum
 
-RECOMPUTE_MODES = ("none", "selective", "block", "full")
-Recompute = Literal["none", "selective", "block", "full"]
+
+class RecomputeMode(enum.StrEnum):
+    """How much of a layer's activations backward rebuilds instead of keeping. String-valued, so a layout
+    compares equal to (and accepts) the plain words, and JSON, tables and the CLI keep showing them."""
+
+    NONE = "none"  # every activation kept from forward to backward
+    SELECTIVE = "selective"  # the attention core rebuilt (Korthikanti et al.)
+    BLOCK = "block"  # the first ``recompute_layers`` layers of every chunk rebuilt from their input
+    FULL = "full"  # every layer rebuilt from its input
+
+
+RECOMPUTE_MODES = tuple(mode.value for mode in RecomputeMode)  # the words, in search order
 FORWARD_STEP, BACKWARD_STEP = "F", "B"
+
+
+_RECOMPUTE_LABELS = {RecomputeMode.NONE: "no-recompute", RecomputeMode.SELECTIVE: "selective-recompute",
+                     RecomputeMode.FULL: "full-recompute"}
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -26,8 +40,8 @@ class Layout:
     vpp: int = 1  # model chunks per pipeline stage (interleaved schedule when > 1)
     micro_batch: int = 1
     ep: int = 1  # expert parallelism (MoE), inside the data-parallel group
-    recompute: str = "none"  # "block": the first ``recompute_layers`` layers of every chunk, fully
-    recompute_layers: int = 0
+    recompute: RecomputeMode = RecomputeMode.NONE  # a RecomputeMode or its word
+    recompute_layers: int = 0  # with BLOCK: layers of every chunk rebuilt
     swap: bool = False
 
     def __post_init__(self) -> None:
@@ -36,9 +50,10 @@ class Layout:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+        object.__setattr__(self, "recompute", RecomputeMode(self.recompute))  # frozen: normalise the word once
         if self.dp % self.ep:
             raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp})")
-        if (self.recompute == "block") != (self.recompute_layers > 0):
+        if (self.recompute == RecomputeMode.BLOCK) != (self.recompute_layers > 0):
             raise ValueError("recompute_layers (> 0) goes with recompute='block' only")
 
     @property
@@ -47,7 +62,11 @@ class Layout:
 
     def recomputed_layers(self, layers_per_chunk: int) -> int:
         """Layers of each model chunk rebuilt from their input in backward."""
-        return {"full": layers_per_chunk, "block": min(self.recompute_layers, layers_per_chunk)}.get(self.recompute, 0)
+        if self.recompute == RecomputeMode.FULL:
+            return layers_per_chunk
+        if self.recompute == RecomputeMode.BLOCK:
+            return min(self.recompute_layers, layers_per_chunk)
+        return 0
 
     def num_micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.dp * self.micro_batch)
@@ -59,10 +78,10 @@ class Layout:
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         parts.append(f"mb{self.micro_batch}")
-        if self.recompute == "block":
+        if self.recompute == RecomputeMode.BLOCK:
             parts.append(f"recompute-{self.recompute_layers}-layers")
         else:
-            parts.append({"none": "no-recompute", "selective": "selective-recompute", "full": "full-recompute"}[self.recompute])
+            parts.append(_RECOMPUTE_LABELS[self.recompute])
         if self.swap:
             parts.append("swap")
         return " ".join(parts)

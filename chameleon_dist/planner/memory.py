@@ -22,8 +22,9 @@ checks these against the emulated device's measured peaks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from chameleon_dist.planner.layout import Layout, in_flight_chunks
+from chameleon_dist.planner.layout import Layout, RecomputeMode, in_flight_chunks
 from chameleon_dist.planner.profiles import ModelProfile, TrainingSetup
 
 FP32_BYTES = 4
@@ -47,7 +48,7 @@ class LayerActivations:
     """One transformer layer, one micro-batch, one rank."""
 
     tensors: tuple[SavedTensor, ...]
-    recompute: str
+    recompute: RecomputeMode
 
     @property
     def full_bytes(self) -> int:
@@ -65,7 +66,7 @@ class LayerActivations:
     @property
     def stored_bytes(self) -> int:
         """Kept from forward to backward by a layer that is not fully recomputed."""
-        if self.recompute == "selective":
+        if self.recompute == RecomputeMode.SELECTIVE:
             return self.full_bytes - self.core_bytes
         return self.full_bytes
 
@@ -99,7 +100,7 @@ def _norm_stats_bytes(model: ModelProfile) -> int:
 
 
 def layer_activations(model: ModelProfile, setup: TrainingSetup, tp: int, micro_batch: int,
-                      recompute: str = "none") -> LayerActivations:
+                      recompute: RecomputeMode = RecomputeMode.NONE) -> LayerActivations:
     """What one layer saves for backward (see the module docstring), in bytes per rank."""
     e = setup.activation_bytes
     tokens = setup.seq_length * micro_batch
@@ -270,12 +271,80 @@ def workspace_bytes(model: ModelProfile, setup: TrainingSetup, layout: Layout) -
     return inputs + b * heads * s * s * setup.activation_bytes + s * s
 
 
-def stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, stage: int,
-                 swap_everything: bool = False, prefetch_depth: int = 2) -> StageMemory:
-    """The per-rank peak of ``stage`` without swapping (``swap_everything``: with the baseline executor
-    that swaps every saved activation of at least ``setup.min_swap_bytes`` and brings back the next
-    ``prefetch_depth`` ahead of use, so that at most one layer's, or ``1 + prefetch_depth`` tensors' worth,
-    is on the device)."""
+@dataclasses.dataclass(frozen=True)
+class _StageLayers:
+    """The stage's layer activations at the start of backward, as each residency rule reads them."""
+
+    acts: LayerActivations  # one layer, one micro-batch
+    chunks: int  # model chunks in flight
+    per_chunk: int  # layers per chunk
+    recomputed: int  # layers of each chunk rebuilt in backward
+    mlp_grads_bytes: int  # gradients a layer's backward holds in its MLP half
+    attention_grads_bytes: int  # ... and in its attention half
+
+    @property
+    def layers(self) -> int:
+        return self.chunks * self.per_chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resident:
+    """What of the stage's layer activations is on the device at the points the peak is taken at."""
+
+    stored_bytes: int  # held from forward to backward (the head's excluded)
+    active_bytes: int  # brought back ahead of use, on top of ``stored_bytes``
+    layer_extra_bytes: int  # beside ``stored_bytes`` during a layer's backward, gradients included
+    first_layer_bytes: int  # the first layer's, still there when the last gradients appear
+
+
+def _kept(layers: _StageLayers, recompute: RecomputeMode) -> _Resident:
+    """No swapping: every stored activation stays; a layer's backward holds its gradients, and under
+    selective recomputation the rebuilt attention core, while its MLP half's tensors are already gone."""
+    acts = layers.acts
+    kept_layers = layers.per_chunk - layers.recomputed
+    stored = layers.chunks * (layers.recomputed * acts.input_bytes + kept_layers * acts.stored_bytes)
+    rebuilt_core = acts.core_bytes if recompute == RecomputeMode.SELECTIVE else 0
+    layer_extra = max(layers.mlp_grads_bytes, rebuilt_core + layers.attention_grads_bytes - acts.mlp_bytes)
+    return _Resident(stored, 0, layer_extra, acts.input_bytes if layers.recomputed else acts.stored_bytes)
+
+
+def _swapped_everything(layers: _StageLayers, min_swap_bytes: int, prefetch_depth: int) -> _Resident:
+    """The baseline executor: only tensors below ``min_swap_bytes`` stay; of the half being processed, what
+    is in use or prefetched (``1 + prefetch_depth`` tensors at most) is back on the device."""
+    acts = layers.acts
+    small = acts.small_bytes(min_swap_bytes)
+    active = min(acts.full_bytes, (1 + prefetch_depth) * acts.largest_bytes)
+    largest_attention = max(t.nbytes for t in acts.tensors if not t.mlp)
+    layer_extra = max(active + layers.mlp_grads_bytes,
+                      min(acts.full_bytes - acts.mlp_bytes, (1 + prefetch_depth) * largest_attention)
+                      + layers.attention_grads_bytes)
+    return _Resident(layers.layers * small, active, layer_extra, small)
+
+
+def stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, stage: int, *,
+                 swap_everything: bool = False) -> StageMemory:
+    """The per-rank peak of ``stage`` without swapping.
+
+    ``swap_everything`` is transitional: ``planner/calibrate.py`` still passes it; new code calls
+    ``stage_memory_swapping_everything``."""
+    if swap_everything:
+        return stage_memory_swapping_everything(model, setup, layout, stage)
+    return _stage_memory(model, setup, layout, stage, lambda layers: _kept(layers, layout.recompute))
+
+
+def stage_memory_swapping_everything(model: ModelProfile, setup: TrainingSetup, layout: Layout, stage: int,
+                                     prefetch_depth: int = 2) -> StageMemory:
+    """The per-rank peak of ``stage`` with the baseline executor that swaps every saved activation of at
+    least ``setup.min_swap_bytes`` and brings back the next ``prefetch_depth`` ahead of use, so that at
+    most one layer's, or ``1 + prefetch_depth`` tensors' worth, is on the device."""
+    return _stage_memory(model, setup, layout, stage,
+                         lambda layers: _swapped_everything(layers, setup.min_swap_bytes, prefetch_depth))
+
+
+def _stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, stage: int,
+                  resident: Callable[[_StageLayers], _Resident]) -> StageMemory:
+    """The peak over the points of the module docstring; ``resident`` says what of the layer activations
+    is on the device (the one thing swapping changes)."""
     m = layout.num_micro_batches(setup.global_batch_size)
     if m < 1:
         raise ValueError(f"global_batch_size {setup.global_batch_size} is smaller than dp x micro_batch "
@@ -305,22 +374,12 @@ def stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, stag
     # producing; the MLP half runs first and its saved tensors die before the attention half runs.
     mlp_grads, attention_grads = acts.backward_gradient_bytes(setup.attention == "unfused")
     stored_layer = acts.stored_bytes
-    mlp_part = acts.mlp_bytes
-    if swap_everything:  # on the device: what is in use or prefetched, of the half being processed
-        stored = layers * acts.small_bytes(setup.min_swap_bytes)
-        active = min(acts.full_bytes, (1 + prefetch_depth) * acts.largest_bytes)
-        largest_attention = max(t.nbytes for t in acts.tensors if not t.mlp)
-        layer_extra = max(active + mlp_grads,
-                          min(acts.full_bytes - mlp_part, (1 + prefetch_depth) * largest_attention) + attention_grads)
-    else:
-        stored = chunks * (recomputed * acts.input_bytes + (per_chunk - recomputed) * stored_layer)
-        active = 0
-        rebuilt_core = acts.core_bytes if layout.recompute == "selective" else 0
-        layer_extra = max(mlp_grads, rebuilt_core + attention_grads - mlp_part)
+    on_device = resident(_StageLayers(acts, chunks, per_chunk, recomputed, mlp_grads, attention_grads))
+    stored, active, layer_extra = on_device.stored_bytes, on_device.active_bytes, on_device.layer_extra_bytes
     rebuilt_extra = 0
     if recomputed:  # the layer's activations are rebuilt from its input, then consumed as above
         rebuilt = acts.full_bytes - acts.input_bytes
-        rebuilt_extra = max(rebuilt + mlp_grads, rebuilt - mlp_part + attention_grads)
+        rebuilt_extra = max(rebuilt + mlp_grads, rebuilt - acts.mlp_bytes + attention_grads)
     head_extra = hidden_grad + output_grads if last else 0
     if last and setup.activation_bytes < FP32_BYTES:  # the logits in the model's dtype beside the fp32 copy
         head_extra += model.vocab_size * e * setup.seq_length * b // tp
@@ -335,9 +394,7 @@ def stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, stag
         points["the backward of a recomputed layer"] = (
             stored - (per_chunk - recomputed) * stored_layer, hidden_grad + rebuilt_extra + layer_grads)
     if grads_transient:
-        first_layer = acts.small_bytes(setup.min_swap_bytes) if swap_everything else (
-            acts.input_bytes if recomputed else stored_layer)
-        points["the end of backward"] = (first_layer,
+        points["the end of backward"] = (on_device.first_layer_bytes,
                                          hidden_grad + (rebuilt_extra if recomputed else layer_extra) + all_grads)
     point, (held, extra) = max(points.items(), key=lambda kv: sum(kv[1]))
     work = workspace_bytes(model, setup, layout)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from chameleon_dist.planner.layout import Layout
+from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.profiles import load_hardware, load_model, TrainingSetup
-from chameleon_dist.planner.search import Plan, SearchResult, SearchSpace, evaluate, search
+from chameleon_dist.planner.search import Approach, Plan, SearchResult, evaluate, search
+from chameleon_dist.planner.space import SearchSpace
 
 PAPER_HEADLINE = 0.3894  # arXiv 2509.11076: up to 38.94% faster (TP/PP -> DP and recomputation off, combined)
 SMARTSWAP_TP8_TO_TP1 = 0.25  # MindSpeed SmartSwap, Llama2, 8 NPUs
@@ -77,7 +78,7 @@ def fixed_comparisons(scenario: Scenario, result: SearchResult) -> list[FixedCom
     layout with full recomputation instead of swap against the swap plan; the best plan with full
     recomputation (any layout, no swap) against the best swap plan."""
     model, hardware, setup = result.model, result.hardware, result.setup
-    best_swap = result.comparison()["swap"]
+    best_swap = result.comparison()[Approach.SWAP]
     high_tp = min(hardware.devices_per_node, scenario.devices, model.num_attention_heads)
 
     def best(space: SearchSpace) -> Plan | None:
@@ -86,14 +87,14 @@ def fixed_comparisons(scenario: Scenario, result: SearchResult) -> list[FixedCom
         except ValueError:
             return None
 
-    tp_high = best(SearchSpace(tp=(high_tp,), recompute=("none",), swap=(False,)))
-    tp_one = best(SearchSpace(tp=(1,), recompute=("none",)))
+    tp_high = best(SearchSpace(tp=(high_tp,), recompute=(RecomputeMode.NONE,), swap=(False,)))
+    tp_one = best(SearchSpace(tp=(1,), recompute=(RecomputeMode.NONE,)))
     same_layout = None
     if best_swap is not None:
-        twin = dataclasses.replace(best_swap.layout, recompute="full", recompute_layers=0, swap=False)
+        twin = dataclasses.replace(best_swap.layout, recompute=RecomputeMode.FULL, recompute_layers=0, swap=False)
         plan = evaluate(model, hardware, setup, twin)
         same_layout = plan if plan.feasible else None
-    full = best(SearchSpace(recompute=("full",), swap=(False,)))
+    full = best(SearchSpace(recompute=(RecomputeMode.FULL,), swap=(False,)))
     return [
         FixedComparison(f"TP{high_tp} -> TP1 with swap", SMARTSWAP_TP8_TO_TP1, tp_high, tp_one),
         FixedComparison("full recomputation -> swap, same layout", SMARTSWAP_FULL_RECOMPUTE_OFF, same_layout, best_swap),
@@ -124,7 +125,8 @@ def markdown(results: list[ScenarioResult]) -> str:
     for r in results:
         c = r.result.comparison()
         lines.append(
-            f"| {r.scenario.label()} | {_plan(c['swap'])} | {_plan(c['recompute'])} | {_plan(c['parallel'])} | "
+            f"| {r.scenario.label()} | {_plan(c[Approach.SWAP])} | {_plan(c[Approach.RECOMPUTE])} | "
+            f"{_plan(c[Approach.PARALLEL])} | "
             f"{_pct(c['speedup_vs_recompute'])} | {_pct(c['speedup_vs_parallel'])} | up to +38.94% |"
         )
     lines += [

@@ -11,21 +11,42 @@ TP/PP degree and neither".
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
-from collections.abc import Iterator
 from types import MappingProxyType
 
-from chameleon_dist.planner.layout import RECOMPUTE_MODES, Layout
+from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.memory import StageMemory, rank_peaks, stage_layers
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
-from chameleon_dist.planner.swap_model import SwapEstimate, estimate_swap, stages_needing_swap
+from chameleon_dist.planner.space import SearchSpace, layouts
+from chameleon_dist.planner.swap_model import StageInfeasibility, SwapEstimate, estimate_swap, stages_needing_swap
 from chameleon_dist.planner.timing import COMPONENTS, TimeBreakdown, iteration_time, model_flops_per_iteration, stage_timing
+from chameleon_dist.policy.model import Infeasibility
 
 logger = logging.getLogger(__name__)
 
 FEASIBLE, OUT_OF_MEMORY, PRUNED = "feasible", "out of memory", "pruned"
-SWAP, RECOMPUTE, PARALLEL = "swap", "recompute", "parallel"
+
+
+class Approach(enum.StrEnum):
+    """What a plan relies on to fit, for the comparison "swap vs recomputation vs parallelism alone". Not a
+    per-tensor ``policy.Decision``; string-valued, so the comparison's JSON keys stay the same words."""
+
+    SWAP = "swap"  # Chameleon swap, no recomputation
+    RECOMPUTE = "recompute"  # some recomputation, no swap
+    PARALLEL = "parallel"  # the parallel layout alone
+
+
+# Why a plan's swap fit failed, in the words of its "why not" column; any other cause (the link is too slow,
+# even swapping every candidate is not enough, every estimate fit but another stage did not) reads as
+# copies not keeping up.
+_WHY_SWAP_FAILED = MappingProxyType({
+    Infeasibility.HOST_BUDGET: "the host memory budget runs out",
+    Infeasibility.NO_SWAPPABLE_AT_PEAK: "the peak is where nothing can be swapped",
+    StageInfeasibility.STATIC_ABOVE_DEVICE: "the peak is where nothing can be swapped",
+})
+_COPIES_TOO_SLOW = "copies cannot keep up with compute"
 COMPONENT_LABELS = MappingProxyType({
     "compute": "compute", "recompute": "recomputation", "tp_comm": "communication (TP)",
     "ep_comm": "communication (EP)", "pp_comm": "communication (PP)", "bubble": "pipeline bubble",
@@ -35,19 +56,6 @@ COMPONENT_LABELS = MappingProxyType({
 
 class PlanError(ValueError):
     """Inputs the planner cannot plan for; the message names the setting to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchSpace:
-    """What the search may vary; None: every value that divides the problem."""
-
-    tp: tuple[int, ...] | None = None
-    pp: tuple[int, ...] | None = None
-    vpp: tuple[int, ...] = (1, 2, 4)
-    ep: tuple[int, ...] | None = None
-    micro_batch: tuple[int, ...] = (1, 2, 4)
-    recompute: tuple[str, ...] = RECOMPUTE_MODES
-    swap: tuple[bool, ...] = (False, True)
 
 
 @dataclasses.dataclass
@@ -72,10 +80,10 @@ class Plan:
         return self.time.total_s
 
     @property
-    def category(self) -> str:
-        if self.layout.recompute != "none":
-            return RECOMPUTE
-        return SWAP if self.layout.swap else PARALLEL
+    def approach(self) -> Approach:
+        if self.layout.recompute != RecomputeMode.NONE:
+            return Approach.RECOMPUTE
+        return Approach.SWAP if self.layout.swap else Approach.PARALLEL
 
     @property
     def swapped_bytes(self) -> int:
@@ -100,7 +108,7 @@ class Plan:
             "iteration_s": self.iteration_s, "time": self.time.to_dict(),
             "tokens_per_s_per_device": self.tokens_per_s_per_device(),
             "stages": [dataclasses.asdict(m) for m in self.memory],
-            "swap": [dataclasses.asdict(s) for s in self.swap],
+            "swap": [s.to_dict() for s in self.swap],
         }
         if hardware is not None:
             data["mfu"] = self.mfu(hardware)
@@ -135,44 +143,6 @@ def _apply_swap(plan: Plan, model: ModelProfile, hardware: HardwareProfile, setu
     plan.status = FEASIBLE if all(e.feasible for e in estimates) and plan.peak_bytes <= hardware.usable_bytes else OUT_OF_MEMORY
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layouts(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, world_size: int,
-            space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
-    """Every layout the space allows for ``world_size`` devices (block recomputation with 1 layer per
-    chunk; the search raises it to what fits)."""
-    recompute_modes = [r for r in space.recompute if not (r == "selective" and setup.attention == "flash")]
-    for tp in space.tp or _divisors(world_size):
-        if (world_size % tp or tp > hardware.devices_per_node or model.num_attention_heads % tp
-                or model.query_groups % tp):
-            continue
-        for pp in space.pp or _divisors(world_size // tp):
-            if (world_size // tp) % pp or model.num_layers % pp:
-                continue
-            dp = world_size // (tp * pp)
-            eps = [1] if not model.is_moe else [e for e in (space.ep or _divisors(dp)) if dp % e == 0 and model.num_experts % e == 0]
-            for ep in eps:
-                for vpp in space.vpp:
-                    if vpp > 1 and (pp == 1 or (model.num_layers // pp) % vpp):
-                        continue
-                    for b in space.micro_batch:
-                        if setup.global_batch_size % (dp * b):
-                            continue
-                        m = setup.global_batch_size // (dp * b)
-                        if vpp > 1 and m % pp:
-                            continue
-                        for recompute in recompute_modes:
-                            block = 1 if recompute == "block" else 0
-                            if block and model.num_layers // pp // vpp < 2:
-                                continue
-                            for swap in space.swap:
-                                if swap and recompute != "none":
-                                    continue
-                                yield Layout(tp, pp, dp, vpp, b, ep, recompute, block, swap)
-
-
 def _fit_block(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> Layout | None:
     """The fewest recomputed layers per chunk that fit (None: none or all of them)."""
     per_chunk = stage_layers(model, layout) // layout.vpp
@@ -194,7 +164,7 @@ def _fit_block(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSe
 
 
 def _fits_without(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> bool:
-    plain = dataclasses.replace(layout, recompute="none", recompute_layers=0)
+    plain = dataclasses.replace(layout, recompute=RecomputeMode.NONE, recompute_layers=0)
     return max(m.peak_bytes for m in rank_peaks(model, setup, plain)) <= hardware.usable_bytes
 
 
@@ -212,17 +182,17 @@ class SearchResult:
     def best(self) -> Plan | None:
         return self.plans[0] if self.plans and self.plans[0].feasible else None
 
-    def best_of(self, category: str) -> Plan | None:
-        return next((p for p in self.plans if p.feasible and p.category == category), None)
+    def best_of(self, approach: Approach) -> Plan | None:
+        return next((p for p in self.plans if p.feasible and p.approach == approach), None)
 
     def comparison(self) -> dict:
         """Best with swap (Chameleon: no recomputation, swap where needed) vs best with recomputation vs
         best with parallelism alone; speedups are time ratios minus one ("x% faster")."""
-        chameleon = self.best_of(SWAP)
-        parallel = self.best_of(PARALLEL)
+        chameleon = self.best_of(Approach.SWAP)
+        parallel = self.best_of(Approach.PARALLEL)
         if chameleon is None or (parallel is not None and parallel.iteration_s <= chameleon.iteration_s):
             chameleon = parallel  # swapping was not needed: the plain plan is Chameleon's plan
-        recompute = self.best_of(RECOMPUTE)
+        recompute = self.best_of(Approach.RECOMPUTE)
 
         def speedup(other: Plan | None) -> float | None:
             if chameleon is None or other is None:
@@ -230,7 +200,8 @@ class SearchResult:
             return other.iteration_s / chameleon.iteration_s - 1
 
         baseline = min((p for p in (recompute, parallel) if p is not None), key=lambda p: p.iteration_s, default=None)
-        return {"swap": chameleon, "recompute": recompute, "parallel": parallel,
+        return {Approach.SWAP.value: chameleon, Approach.RECOMPUTE.value: recompute,
+                Approach.PARALLEL.value: parallel,
                 "speedup_vs_recompute": speedup(recompute), "speedup_vs_parallel": speedup(parallel),
                 "speedup_vs_best_without_swap": speedup(baseline)}
 
@@ -268,7 +239,7 @@ def search(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup,
     plans: list[Plan] = []
     waiting: list[Plan] = []
     for layout in candidates:
-        if layout.recompute == "block":
+        if layout.recompute == RecomputeMode.BLOCK:
             layout = _fit_block(model, hardware, setup, layout)
             if layout is None:
                 continue
@@ -276,7 +247,8 @@ def search(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup,
         if layout.swap and plan.feasible:
             continue  # fits without swapping: the same plan as its no-swap twin
         (waiting if layout.swap else plans).append(plan)
-    bound = min((p.iteration_s for p in plans if p.feasible and p.layout.recompute == "none"), default=float("inf"))
+    bound = min((p.iteration_s for p in plans if p.feasible and p.layout.recompute == RecomputeMode.NONE),
+                default=float("inf"))
     runs = 0
     for plan in sorted(waiting, key=lambda p: p.iteration_s):
         if plan.iteration_s >= bound:
@@ -304,12 +276,7 @@ def _explain(result: SearchResult) -> None:
             worst = max(plan.memory, key=lambda m: m.peak_bytes)
             if plan.swap:
                 failed = next((s for s in plan.swap if not s.feasible), plan.swap[0])
-                if "host_memory_budget" in failed.reason:
-                    why = "the host memory budget runs out"
-                elif "no swappable" in failed.reason or failed.micro_batches_simulated == 0:
-                    why = "the peak is where nothing can be swapped"
-                else:
-                    why = "copies cannot keep up with compute"
+                why = why_swap_failed(failed)
                 plan.reason = (f"out of memory even with swap: stage {failed.stage} peaks at "
                                f"{failed.peak_bytes / gb:.1f} GB > {plan.usable_bytes / gb:.1f} GB usable ({why})")
             else:
@@ -327,3 +294,12 @@ def _explain(result: SearchResult) -> None:
                 plan.reason = f"{extra * 100:.1f}% slower: {COMPONENT_LABELS[cause]} +{deltas[cause]:.2f} s"
         elif plan is best:
             plan.reason = "best"
+
+
+def why_swap_failed(estimate: SwapEstimate) -> str:
+    """The words for a failed swap fit, chosen by its typed cause (never by its message)."""
+    return _WHY_SWAP_FAILED.get(estimate.infeasibility, _COPIES_TOO_SLOW)
+
+
+__all__ = ["FEASIBLE", "OUT_OF_MEMORY", "PRUNED", "Approach", "Plan", "PlanError", "SearchResult", "SearchSpace",
+           "evaluate", "layouts", "search", "why_swap_failed"]

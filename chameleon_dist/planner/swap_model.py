@@ -16,19 +16,31 @@ simulated with fewer (the schedule's steady state repeats) and the stall is extr
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 
-from chameleon_dist.planner.layout import FORWARD_STEP, Layout, in_flight_chunks, schedule
+from chameleon_dist.planner.layout import FORWARD_STEP, Layout, RecomputeMode, in_flight_chunks, schedule
 from chameleon_dist.planner.memory import SavedTensor, StageMemory, head_activations, layer_activations
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
 from chameleon_dist.planner.timing import StageTiming
 from chameleon_dist.policy import PolicySettings, generate_policies
+from chameleon_dist.policy.model import Decision, Infeasibility, Policy
 from chameleon_dist.trace.step_trace import BACKWARD, FORWARD, OpRecord, StepTrace, StorageRecord, TensorRecord
 
 logger = logging.getLogger(__name__)
 
 OP_NAMES = ("layer_forward", "layer_backward", "head_forward", "head_backward")
 EXTRA_SIMULATED_MICRO_BATCHES = 4  # beyond those in flight; enough to reach the steady state twice
+
+
+class StageInfeasibility(enum.StrEnum):
+    """Why a stage cannot fit before the policy generator is even run (the generator's own causes are
+    ``Infeasibility``)."""
+
+    STATIC_ABOVE_DEVICE = "static_above_device"  # model state, workspace and transients alone exceed the device
+
+
+SwapInfeasibility = Infeasibility | StageInfeasibility
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +52,16 @@ class SwapEstimate:
     budget_bytes: int  # what the policy had to fit the iteration in
     swapped_bytes: int  # moved to the host per iteration (extrapolated)
     micro_batches_simulated: int
-    reason: str = ""
+    reason: str = ""  # why it does not fit, in words
     policy_summary: str = ""
+    infeasibility: SwapInfeasibility | None = None  # why it does not fit, for code to branch on (None: it fits)
+
+    def to_dict(self) -> dict:
+        """The plan JSON's form: ``reason`` carries the cause in words; the typed cause is left out so that
+        the JSON stays as it was before it existed."""
+        data = dataclasses.asdict(self)
+        del data["infeasibility"]
+        return data
 
 
 def build_stage_trace(memory: StageMemory, timing: StageTiming, layout: Layout, num_micro_batches: int,
@@ -148,14 +168,15 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
     budget = hardware.usable_bytes
     if budget <= memory.static_bytes + max(memory.forward_extra_bytes, memory.backward_extra_bytes):
         return SwapEstimate(memory.stage, False, 0.0, memory.peak_bytes, max(budget, 0), 0, 0,
-                            reason="model state, workspace and transients alone exceed the device")
+                            reason="model state, workspace and transients alone exceed the device",
+                            infeasibility=StageInfeasibility.STATIC_ABOVE_DEVICE)
     settings = PolicySettings(
         budget_bytes=budget, d2h_bytes_per_s=hardware.d2h_bytes_per_s, h2d_bytes_per_s=hardware.swap_h2d_bytes_per_s,
         min_swap_bytes=setup.min_swap_bytes, host_budget_bytes=hardware.host_swap_budget_bytes(), score_c=2.0,
         trials=1, allow_recompute=False, ops_per_group=1,
     )
     acts = layer_activations(model, setup, layout.tp, layout.micro_batch, layout.recompute)
-    layer_parts = storage_parts(acts.tensors, skip_core=layout.recompute == "selective")
+    layer_parts = storage_parts(acts.tensors, skip_core=layout.recompute == RecomputeMode.SELECTIVE)
     head_parts = storage_parts(head_activations(model, setup, layout.tp, layout.micro_batch))
     runs = []
     for count in _simulated_counts(layout, memory.stage, m):
@@ -165,17 +186,21 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
     count, policy = runs[-1]
     if policy is None:  # nothing above the budget: nothing to swap
         return SwapEstimate(memory.stage, True, 0.0, memory.peak_bytes, budget, 0, count)
-    stall, swapped = policy.predicted_stall_s, sum(e.nbytes for e in policy.entries if e.decision == "swap")
+    stall, swapped = policy.predicted_stall_s, _swapped_bytes(policy)
     if len(runs) == 2 and runs[0][1] is not None:
         low_count, low = runs[0]
         slope = (count - low_count) or 1
         stall += (stall - low.predicted_stall_s) / slope * (m - count)
-        low_swapped = sum(e.nbytes for e in low.entries if e.decision == "swap")
-        swapped += (swapped - low_swapped) // slope * (m - count)
+        swapped += (swapped - _swapped_bytes(low)) // slope * (m - count)
     peak = policy.predicted_peak_bytes
     reason = "" if policy.feasible else (policy.reason or "the policy could not fit the budget")
     return SwapEstimate(memory.stage, policy.feasible, max(stall, 0.0), peak, budget, max(swapped, 0), count,
-                        reason=reason, policy_summary=policy.summary())
+                        reason=reason, policy_summary=policy.summary(),
+                        infeasibility=None if policy.feasible else policy.infeasibility)
+
+
+def _swapped_bytes(policy: Policy) -> int:
+    return sum(e.nbytes for e in policy.entries if e.decision == Decision.SWAP)
 
 
 def stages_needing_swap(memories: list[StageMemory], usable_bytes: int) -> list[StageMemory]:
@@ -188,4 +213,5 @@ def stages_needing_swap(memories: list[StageMemory], usable_bytes: int) -> list[
     return [picked[k] for k in sorted(picked)]
 
 
-__all__ = ["SwapEstimate", "build_stage_trace", "estimate_swap", "stages_needing_swap", "storage_parts"]
+__all__ = ["StageInfeasibility", "SwapEstimate", "SwapInfeasibility", "build_stage_trace", "estimate_swap",
+           "stages_needing_swap", "storage_parts"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from chameleon_dist.planner.layout import Layout
+from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.memory import stage_layers, stage_params
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
 
@@ -103,7 +103,7 @@ def layer_times(model: ModelProfile, hardware: HardwareProfile, setup: TrainingS
     forward = flops.forward_flops / rate
     per_chunk = stage_layers(model, layout) // layout.vpp
     share = layout.recomputed_layers(per_chunk) / per_chunk  # of the layers rebuilt in backward
-    recompute = flops.core_flops / rate if layout.recompute == "selective" else share * forward
+    recompute = flops.core_flops / rate if layout.recompute == RecomputeMode.SELECTIVE else share * forward
     hidden_bytes = setup.seq_length * layout.micro_batch * model.hidden_size * setup.activation_bytes
     # per layer: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with SP) in forward, as many in backward
     tp_once = all_reduce_s(hidden_bytes, layout.tp, _bus(hardware, layout.tp))
