@@ -65,3 +65,44 @@ class IterationReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def completed(cls, iteration: int, iteration_s: float, profile: Any, **measured: Any) -> "IterationReport":
+        """A completed iteration: ``profile`` is the profiler's ``IterationProfile`` (stage, signature,
+        comparison with the reference, transition); ``measured`` the fields a failed one has too."""
+        comparison, transition = profile.comparison, profile.transition
+        return cls(
+            iteration=iteration,
+            stage=profile.stage,
+            iteration_s=iteration_s,
+            num_ops=profile.signature.num_ops,
+            sequence_changed=comparison.changed,
+            sequence_change_major=comparison.changed,  # older name, same value
+            sequence_differs=comparison.differs,  # any difference, absorbed or not
+            sequence_cosine=comparison.cosine,
+            sequence_length_change=comparison.length_change,
+            saved_bytes_change=comparison.saved_bytes_change,
+            stage_transition=None if transition is None else f"{transition.before} -> {transition.after}: {transition.reason}",
+            **measured,
+        )
+
+    @classmethod
+    def failed_with(cls, exc: BaseException, iteration: int, stage: str, iteration_s: float, num_ops: int,
+                    **measured: Any) -> "IterationReport":
+        """An iteration that raised ``exc``: what it did until then, and the error (no sequence comparison,
+        no transition: the iteration is not counted)."""
+        return cls(
+            iteration=iteration,
+            stage=stage,
+            iteration_s=iteration_s,
+            num_ops=num_ops,
+            sequence_changed=False,
+            sequence_change_major=False,
+            sequence_cosine=1.0,
+            sequence_length_change=0.0,
+            saved_bytes_change=0.0,
+            stage_transition=None,
+            failed=True,
+            error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            **measured,
+        )

@@ -7,6 +7,8 @@
   once per iteration, outside the metered device; ``zero_grad(set_to_none=True)`` before each
   iteration (the common loop) makes the snapshot free.
 - ``RandomState``: the CPU generator and the device's, so dropout masks repeat exactly.
+- ``final_out_of_memory``: the error the last failed attempt raises, saying why swapping could not make
+  room and what to change.
 - ``OptimizerStateGuard``: an out-of-memory error inside ``optimizer.step()`` is not retried (the
   step may already have changed parameters), but state entries the failed step created lazily (AdamW's
   first ``exp_avg``) are removed, so the optimizer stays usable instead of failing later with a
@@ -21,6 +23,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from chameleon_dist.device.base import Device
+from chameleon_dist.units import format_bytes
 
 
 class GradientSnapshot:
@@ -88,3 +91,31 @@ def optimizer_state_guard(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             "discarded so the optimizer stays usable. Leave room for the optimizer state: lower "
             "memory_budget or raise device.capacity."
         ) from exc
+
+
+def final_out_of_memory(
+    exc: torch.OutOfMemoryError,
+    retries: int,
+    *,
+    refused_bytes: int,
+    host_budget_bytes: int | None,
+    host_in_use_bytes: int,
+    swaps_everything: bool,
+) -> torch.OutOfMemoryError:
+    """The error after the last of ``retries`` retries. ``refused_bytes``: what host_memory_budget kept on
+    the device in the last attempt; ``swaps_everything``: the last attempt swapped every saved activation
+    (no policy, ``min_swap_bytes`` 0). Returns ``exc`` itself when neither explains the failure."""
+    if refused_bytes:
+        return torch.OutOfMemoryError(
+            f"{exc}\nhost_memory_budget ({format_bytes(host_budget_bytes or 0)}) refused "
+            f"{format_bytes(refused_bytes)} of swaps in the last of {retries + 1} attempts, which stayed on "
+            f"the device: raise host_memory_budget to at least "
+            f"{format_bytes(host_in_use_bytes + refused_bytes)}."
+        )
+    if swaps_everything:
+        return torch.OutOfMemoryError(
+            f"{exc}\nChameleon already swaps every saved activation and the step still does not fit after "
+            f"{retries} retries: raise device.capacity / memory_budget, lower the micro-batch size, or add "
+            "recomputation."
+        )
+    return exc

@@ -33,9 +33,9 @@ from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
 from chameleon_dist.policy.generator import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
-from chameleon_dist.profiler.online import IterationProfile, Observation, OnlineProfiler
+from chameleon_dist.profiler.online import Observation, OnlineProfiler
 from chameleon_dist.report import IterationReport
-from chameleon_dist.retry import GradientSnapshot, RandomState, optimizer_state_guard
+from chameleon_dist.retry import GradientSnapshot, RandomState, final_out_of_memory, optimizer_state_guard
 from chameleon_dist.trace.stages import Stage
 from chameleon_dist.units import format_bytes
 
@@ -219,7 +219,11 @@ class Chameleon:
                 else:
                     yield
         except Exception as exc:  # the iteration is lost: say so in last_report, then let the caller see it
-            self.last_report = self._failure_report(exc, running)
+            observation = running.observation
+            self.last_report = IterationReport.failed_with(
+                exc, self._iteration + 1, running.stage, time.perf_counter() - running.start_s,
+                len(observation.ids) if observation is not None else 0, **self._measured_fields(running),
+            )
             raise
         finally:
             self._running = None
@@ -236,7 +240,7 @@ class Chameleon:
         over_budget = self.controller.record(outcome)
         profile = self.profiler.conclude(observation, counters.saved_bytes, counters.passive_swaps, over_budget)
         self.controller.follow(profile.transition, outcome)
-        self.last_report = self._report(running, profile, iteration_s)
+        self.last_report = IterationReport.completed(self._iteration, iteration_s, profile, **self._measured_fields(running))
         logger.debug("%s", self.last_report)
 
     def _policy_settings(self) -> PolicySettings:
@@ -272,7 +276,24 @@ class Chameleon:
         inside ``optimizer.step()`` is raised as ``OptimizerStepOutOfMemoryError`` (the step may already
         have changed parameters); the optimizer state the failed step had just created is discarded, so
         the optimizer stays usable. Any other exception propagates at once. A failed iteration is reported
-        in ``last_report`` (``failed``, ``error``)."""
+        in ``last_report`` (``failed``, ``error``).
+
+        Args:
+            closure: forward and backward of every micro-batch of one iteration; its result is returned.
+            optimizer: stepped after the closure succeeded; its param groups' gradients are restored on a
+                retry. None: step it yourself after ``run_iteration`` returns.
+
+        Raises:
+            torch.OutOfMemoryError: the last retry failed too; the message says why swapping could not
+                make room (a full host budget, everything already swapped) and which setting to change.
+            OptimizerStepOutOfMemoryError: out of memory inside ``optimizer.step()``.
+
+        Example::
+
+            for batch in loader:
+                optimizer.zero_grad(set_to_none=True)
+                loss = chameleon.run_iteration(lambda: train_step(model, batch), optimizer=optimizer)
+        """
         retries = self.config.executor.max_oom_retries if self.config.enabled else 0
         gradients = GradientSnapshot(self._retry_parameters(optimizer)) if retries else None
         with self.iteration():
@@ -310,25 +331,14 @@ class Chameleon:
         return parameters
 
     def _final_out_of_memory(self, exc: torch.OutOfMemoryError, retries: int) -> torch.OutOfMemoryError:
-        """The error after the last retry: why swapping could not make room, and what to change."""
         if not self.config.enabled:
             return exc
-        refused_bytes = self.executor.counters.kept_on_device_bytes
         pool = self.device.host_pool
-        if refused_bytes:
-            return torch.OutOfMemoryError(
-                f"{exc}\nhost_memory_budget ({format_bytes(pool.budget_bytes or 0)}) refused "
-                f"{format_bytes(refused_bytes)} of swaps in the last of {retries + 1} attempts, which stayed on "
-                f"the device: raise host_memory_budget to at least "
-                f"{format_bytes(pool.in_use_bytes + refused_bytes)}."
-            )
-        if self.executor.policy is None and self.executor.min_swap_bytes == 0:
-            return torch.OutOfMemoryError(
-                f"{exc}\nChameleon already swaps every saved activation and the step still does not fit after "
-                f"{retries} retries: raise device.capacity / memory_budget, lower the micro-batch size, or add "
-                "recomputation."
-            )
-        return exc
+        return final_out_of_memory(
+            exc, retries, refused_bytes=self.executor.counters.kept_on_device_bytes, host_budget_bytes=pool.budget_bytes,
+            host_in_use_bytes=pool.in_use_bytes,
+            swaps_everything=self.executor.policy is None and self.executor.min_swap_bytes == 0,
+        )
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:
@@ -380,43 +390,6 @@ class Chameleon:
         else:
             logger.warning("out of memory (%s); retrying the iteration with min_swap_bytes lowered to %s",
                            first_line, format_bytes(self.executor.tighten()))
-
-    def _failure_report(self, exc: Exception, running: _Running) -> IterationReport:
-        """The report of an iteration that raised: what it did until then, and the error. The iteration
-        counter and the stage machine do not advance (the step did not happen)."""
-        observation = running.observation
-        return IterationReport(
-            iteration=self._iteration + 1,
-            stage=running.stage,
-            iteration_s=time.perf_counter() - running.start_s,
-            num_ops=len(observation.ids) if observation is not None else 0,
-            sequence_changed=False,
-            sequence_change_major=False,
-            sequence_cosine=1.0,
-            sequence_length_change=0.0,
-            saved_bytes_change=0.0,
-            stage_transition=None,
-            failed=True,
-            error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            **self._measured_fields(running),
-        )
-
-    def _report(self, running: _Running, profile: IterationProfile, iteration_s: float) -> IterationReport:
-        transition = profile.transition
-        return IterationReport(
-            iteration=self._iteration,
-            stage=profile.stage,
-            iteration_s=iteration_s,
-            num_ops=profile.signature.num_ops,
-            sequence_changed=profile.comparison.changed,
-            sequence_change_major=profile.comparison.changed,  # older name, same value
-            sequence_differs=profile.comparison.differs,  # any difference, absorbed or not
-            sequence_cosine=profile.comparison.cosine,
-            sequence_length_change=profile.comparison.length_change,
-            saved_bytes_change=profile.comparison.saved_bytes_change,
-            stage_transition=None if transition is None else f"{transition.before} -> {transition.after}: {transition.reason}",
-            **self._measured_fields(running),
-        )
 
     def _measured_fields(self, running: _Running) -> dict:
         """The report fields a completed and a failed iteration fill alike."""
