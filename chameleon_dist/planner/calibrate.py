@@ -11,7 +11,7 @@ persistent buffer. The functions here only describe that setup; measuring it is 
 from __future__ import annotations
 
 from chameleon_dist.planner.layout import Layout
-from chameleon_dist.planner.memory import StageMemory, stage_memory
+from chameleon_dist.planner.memory import StageMemory, stage_memory, stage_memory_swapping_everything
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
 from chameleon_dist.planner.timing import layer_flops
 
@@ -37,9 +37,11 @@ def cpu_setup(micro_batch: int, seq_length: int, micro_batches: int = 1, min_swa
 
 def cpu_peak(model: ModelProfile, setup: TrainingSetup, micro_batch: int, recompute: str = "none",
              swap_everything: bool = False) -> StageMemory:
-    """The predicted per-rank peak of a single-rank run (TP = PP = DP = 1)."""
+    """The predicted per-rank peak of a single-rank run (TP = PP = DP = 1), without swapping or with the
+    executor that swaps every saved activation (the two settings the validation measures)."""
     layout = Layout(micro_batch=micro_batch, recompute=recompute)
-    return stage_memory(model, setup, layout, 0, swap_everything=swap_everything)
+    estimate = stage_memory_swapping_everything if swap_everything else stage_memory
+    return estimate(model, setup, layout, 0)
 
 
 def calibrated_hardware(model: ModelProfile, setup: TrainingSetup, micro_batch: int, layer_forward_s: float,

@@ -321,14 +321,8 @@ def _swapped_everything(layers: _StageLayers, min_swap_bytes: int, prefetch_dept
     return _Resident(layers.layers * small, active, layer_extra, small)
 
 
-def stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, stage: int, *,
-                 swap_everything: bool = False) -> StageMemory:
-    """The per-rank peak of ``stage`` without swapping.
-
-    ``swap_everything`` is transitional: ``planner/calibrate.py`` still passes it; new code calls
-    ``stage_memory_swapping_everything``."""
-    if swap_everything:
-        return stage_memory_swapping_everything(model, setup, layout, stage)
+def stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, stage: int) -> StageMemory:
+    """The per-rank peak of ``stage`` without swapping."""
     return _stage_memory(model, setup, layout, stage, lambda layers: _kept(layers, layout.recompute))
 
 
