@@ -51,6 +51,7 @@ from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from machine_info import finish, header, write_json  # noqa: E402
+from toy_gpt import GPT  # noqa: E402
 
 import torch
 from torch import nn
@@ -69,39 +70,6 @@ SAVE_ON_CPU_LABEL = "save_on_cpu semantics emulated (synchronous copies, no pref
 
 
 # ---- model --------------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Pre-norm GPT; layers at ``layers.<i>`` (the policy generator's logical layers follow them)."""
-
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
-
-
 def make_model(args: argparse.Namespace) -> GPT:
     torch.manual_seed(args.seed)
     return GPT(args.vocab, args.hidden, args.heads, args.layers)

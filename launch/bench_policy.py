@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from machine_info import finish, header, write_json  # noqa: E402
+from toy_gpt import GPT, MoEFeedForward  # noqa: E402
 
 import torch
 from torch import nn
@@ -54,80 +55,6 @@ from chameleon_dist.units import format_bytes
 
 GIB = 2**30
 MIN_SWAP_BYTES = 2**20
-
-
-# ---- (1) models ---------------------------------------------------------------------------------
-class FeedForward(nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class MoEFeedForward(nn.Module):
-    """Top-k routing over expert MLPs; each expert runs on the tokens routed to it. The router's bias is
-    skewed so that the token counts per expert are uneven."""
-
-    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int) -> None:
-        super().__init__()
-        self.top_k = top_k
-        self.router = nn.Linear(hidden, experts)
-        with torch.no_grad():
-            self.router.bias.copy_(torch.linspace(1.5, -1.5, experts))
-        self.experts = nn.ModuleList(FeedForward(hidden, ffn) for _ in range(experts))
-        self.counts: tuple[int, ...] = ()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        flat = x.reshape(b * s, h)
-        gates, choice = self.router(flat).softmax(dim=-1).topk(self.top_k, dim=-1)
-        out = torch.zeros_like(flat)
-        counts = []
-        for e, expert in enumerate(self.experts):
-            token, slot = (choice == e).nonzero(as_tuple=True)
-            counts.append(token.numel())
-            out = out.index_add(0, token, expert(flat[token]) * gates[token, slot].unsqueeze(1))
-        self.counts = tuple(counts)
-        return out.view(b, s, h)
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, mlp: nn.Module) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.mlp = mlp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """Layers live at ``layers.<i>`` (the recorder times them); with ``experts`` > 0 every odd layer is MoE."""
-
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, experts: int = 0, top_k: int = 2) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(
-            Block(hidden, heads, MoEFeedForward(hidden, 4 * hidden, experts, top_k) if experts and i % 2 else
-                  FeedForward(hidden, 4 * hidden))
-            for i in range(layers)
-        )
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
 
 
 # ---- (1) recording and Eq. 1 ----------------------------------------------------------------------
@@ -186,7 +113,8 @@ def layer_ops_error(trace: StepTrace) -> tuple[float, float]:
 
 def eq1_model(kind: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.hidden, args.heads, args.layers, args.experts if kind == "moe" else 0, args.top_k)
+    model = GPT(args.vocab, args.hidden, args.heads, args.layers, mlp_module=True,
+                experts=args.experts if kind == "moe" else 0, top_k=args.top_k)
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
     traces = record_traces(model, data[:, :-1], data[:, 1:], args.iterations, args.warmup)
     per_trace = []

@@ -40,9 +40,9 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from machine_info import cpu_name  # noqa: E402
+from toy_gpt import GPT  # noqa: E402
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from chameleon_dist.profiler.recorder import TraceRecorder
@@ -54,43 +54,6 @@ from chameleon_dist.profiler.signature import OpVocabulary, Signature, Signature
 PLAIN, SIGNATURE, RECORDER, TORCH_PROFILER = "plain", "signature", "recorder", "torch.profiler"
 VARIANTS = (PLAIN, SIGNATURE, RECORDER, TORCH_PROFILER)
 GOALS = {"signature_ratio": 1.01, "detailed_ratio": 0.15}
-
-
-# ---- the model ----------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.position = nn.Embedding(seq, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position.weight[: tokens.shape[1]]
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
 
 
 def _zero_bytes() -> int:
@@ -106,7 +69,7 @@ class Workload:
 
     def __init__(self, hidden: int, heads: int, layers: int, seq: int, batch: int, vocab: int, saved_hooks: bool) -> None:
         torch.manual_seed(0)
-        self.model = GPT(vocab, hidden, heads, layers, seq)
+        self.model = GPT(vocab, hidden, heads, layers, positions=seq, norms_first=False)
         self.parameters = sum(p.numel() for p in self.model.parameters())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         data = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(1))

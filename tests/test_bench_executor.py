@@ -3,26 +3,17 @@
 Only that it runs and reports every variant with sane values: the timings themselves are measured, never
 asserted against thresholds."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "bench_executor.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_executor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from launch import bench_executor
 
 
 def test_small_run_reports_every_variant(tmp_path, capsys):
     threads = torch.get_num_threads()
     out_path = tmp_path / "bench.json"
-    results = _load_script().main(["--small", "--json", str(out_path)])
+    results = bench_executor.main(["--small", "--json", str(out_path)])
     printed = capsys.readouterr().out
     assert torch.get_num_threads() == threads, "the test process is left as it was"
 

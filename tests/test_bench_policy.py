@@ -4,23 +4,14 @@ Only that it runs and reports both results with sane values: the figures themsel
 asserted against thresholds."""
 
 import gc
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "bench_policy.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_policy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from launch import bench_policy
 
 
 def test_small_run_reports_eq1_errors_and_generation_time(tmp_path, capsys):
     out_path = tmp_path / "bench.json"
-    results = _load_script().main(["--small", "--json", str(out_path)])
+    results = bench_policy.main(["--small", "--json", str(out_path)])
     printed = capsys.readouterr().out
     assert gc.isenabled(), "the test process is left as it was"
 

@@ -4,37 +4,22 @@ Single-rank runs (TP = PP = DP = 1, fp32, Adam) with no, selective and full reco
 Chameleon runtime swapping every eligible saved tensor (what it does in its WarmUp iterations); the
 measurement helpers are those of ``launch/reproduce_paper.py --validate``."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("chameleon_dist.integrations.megatron.gpt")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "reproduce_paper.py"
+from launch import reproduce_paper as script  # noqa: E402  (after the skip)
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")
 
-
-def _script():
-    name = "reproduce_paper_under_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-SHAPES = _script().VALIDATION_SHAPES
-CASES = [(shape, recompute, swap) for shape in SHAPES for recompute, swap in _script().SETTINGS]
+SHAPES = script.VALIDATION_SHAPES
+CASES = [(shape, recompute, swap) for shape in SHAPES for recompute, swap in script.SETTINGS]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape,recompute,swap", CASES,
                          ids=[f"{s.num_layers}L-h{s.hidden_size}-s{s.seq_length}-{r}{'-swap' if w else ''}" for s, r, w in CASES])
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak(shape, recompute, swap):
-    script = _script()
     measured = script.measure_peak_bytes(shape, recompute, swap)
     predicted = script.predicted_peak_bytes(shape, recompute, swap)
     assert measured > 0
@@ -45,7 +30,6 @@ def test_predicted_peak_is_within_10_percent_of_the_measured_peak(shape, recompu
 
 def test_settings_order_the_peaks_as_measured_would():
     """Without running anything: recomputation and swapping lower the predicted peak for every shape."""
-    script = _script()
     for shape in SHAPES:
         peaks = {(r, w): script.predicted_peak_bytes(shape, r, w) for r, w in script.SETTINGS}
         assert peaks[("full", False)] < peaks[("selective", False)] < peaks[("none", False)]
@@ -53,7 +37,6 @@ def test_settings_order_the_peaks_as_measured_would():
 
 
 def test_validation_markdown_and_doc_sections(tmp_path):
-    script = _script()
     doc = tmp_path / "planner.md"
     doc.write_text("intro\n<!-- validation:begin -->\nold\n<!-- validation:end -->\nend\n")
     memory = [{"shape": "s", "recompute": "none", "swap": False, "measured_bytes": 2**20 * 100,

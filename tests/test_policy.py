@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ from chameleon_dist.policy import (
     simulate,
 )
 from chameleon_dist.trace.step_trace import StepTrace
-from policy_traces import layered_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also when run as a script (see the end)
+from tests.policy_traces import layered_trace  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
-from models import make_lm
+from tests.models import make_lm
 
 MODEL = dict(vocab=128, hidden=64, heads=4, layers=12, dropout=0.1)
 BATCH, SEQ = 4, 128
