@@ -62,6 +62,7 @@ from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
 from chameleon_dist.device.meter import storage_key
 from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
+from chameleon_dist.policy.model import Decision
 
 MIB = 2**20
 VARIANTS = ("unconstrained", "chameleon", "baseline", "save_on_cpu")
@@ -365,8 +366,8 @@ def run(args: argparse.Namespace) -> dict:
     timed = range(warm_rounds, rounds)
     summary = summarize(variants, timed, capacity_bytes)
     trials = [{"policy": t.policy.name, "iteration_s": t.iteration_s, "peak_mib": t.peak_bytes / MIB, "held": t.held}
-              for t in cham.trials.results]
-    chosen = cham.trials.current
+              for t in cham.controller.results]
+    chosen = cham.controller.chosen
     c = summary["chameleon"]
     checks = {
         "chameleon_stable_throughout": c["stages"] == {"stable": len(timed)} and bool(c["policies"])
@@ -398,8 +399,8 @@ def run(args: argparse.Namespace) -> dict:
         "chameleon_policy": None if chosen is None else {
             "name": chosen.name, "feasible": chosen.feasible, "predicted_peak_mib": chosen.predicted_peak_bytes / MIB,
             "predicted_stall_s": chosen.predicted_stall_s, "predicted_iteration_s": chosen.predicted_iteration_s,
-            "swap_mib": chosen.saved_bytes("swap") / MIB, "swapped_storages": sum(e.decision == "swap" for e in chosen.entries),
-            "version": cham.trials.version},
+            "swap_mib": chosen.saved_bytes(Decision.SWAP) / MIB, "swapped_storages": sum(e.decision == Decision.SWAP for e in chosen.entries),
+            "version": cham.controller.version},
         "trials": trials,
         "chameleon_rounds": [{"round": i, "stage": x["stage"], "policy": x["policy"], "iteration_s": x["iteration_s"],
                               "stall_s": x["stall_s"], "peak_mib": x["peak_bytes"] / MIB,

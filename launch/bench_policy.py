@@ -40,6 +40,7 @@ from torch.nn import functional as F
 from chameleon_dist.models import llama
 from chameleon_dist.planner.profiles import load_model
 from chameleon_dist.policy import (
+    Decision,
     PolicySettings,
     calibrated_group_times_s,
     eq1_error,
@@ -187,9 +188,9 @@ def generation(args: argparse.Namespace) -> dict:
             "deterministic": all(b.to_json() == best.to_json() for b in bests),
             "best": {"name": best.name, "feasible": best.feasible, "predicted_peak_bytes": best.predicted_peak_bytes,
                      "predicted_stall_s": best.predicted_stall_s, "predicted_recompute_s": best.predicted_recompute_s,
-                     "predicted_iteration_s": best.predicted_iteration_s, "swapped_bytes": best.saved_bytes("swap"),
-                     "recomputed_bytes": best.saved_bytes("recompute"),
-                     "swapped_tensors": sum(e.decision == "swap" for e in best.entries), "reason": best.reason},
+                     "predicted_iteration_s": best.predicted_iteration_s, "swapped_bytes": best.saved_bytes(Decision.SWAP),
+                     "recomputed_bytes": best.saved_bytes(Decision.RECOMPUTE),
+                     "swapped_tensors": sum(e.decision == Decision.SWAP for e in best.entries), "reason": best.reason},
         })
     return {
         "shape": shape.model_dump(),
