@@ -73,7 +73,7 @@ class IterationReport:
         comparison, transition = profile.comparison, profile.transition
         return cls(
             iteration=iteration,
-            stage=profile.stage,
+            stage=str(profile.stage),  # the plain string ("stable"), as reports always had
             iteration_s=iteration_s,
             num_ops=profile.signature.num_ops,
             sequence_changed=comparison.changed,
@@ -93,7 +93,7 @@ class IterationReport:
         no transition: the iteration is not counted)."""
         return cls(
             iteration=iteration,
-            stage=stage,
+            stage=str(stage),
             iteration_s=iteration_s,
             num_ops=num_ops,
             sequence_changed=False,

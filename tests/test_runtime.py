@@ -163,3 +163,22 @@ def test_waiting_for_in_flight_swap_outs_averts_out_of_memory_and_is_not_a_passi
     assert chameleon.stage == "gen_policy"
     for p, q in zip(reference.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_reports_keep_plain_strings_for_stages_and_transitions():
+    """Stages are an enum inside; a report (printed, compared, written as JSON) holds the plain words."""
+    import json
+
+    model = make_lm(0, **MODEL)
+    chameleon = Chameleon({"min_swap_bytes": 0, "profiler": {"warmup_iterations": 1}}, device=EmulatedDevice(10**9))
+    chameleon.attach(model)
+    _step(chameleon, model)
+    report = chameleon.last_report
+    assert type(report.stage) is str and repr(report.stage) == "'warmup'"
+    assert report.stage_transition.startswith("warmup -> gen_policy: ")
+    assert json.loads(json.dumps(report.to_dict()))["stage"] == "warmup"
+    assert chameleon.stage == "gen_policy"
+    with pytest.raises(RuntimeError, match="boom"):
+        with chameleon.iteration():
+            raise RuntimeError("boom")
+    assert type(chameleon.last_report.stage) is str and chameleon.last_report.failed
