@@ -242,8 +242,8 @@ class PolicyController:
         self.candidates = feasible or ([] if self._infeasible_failed else list(result.policies))
         best = result.best
         logger.info(
-            "generated %d policies (%d predicted to fit) from iteration %d in %.3f s; best: %s",
-            len(result.policies), len(self.candidates), trace.iteration, self.generation_s,
+            "generated %d policies (%d predicted to fit, %d to try) from iteration %d in %.3f s; best: %s",
+            len(result.policies), len(feasible), len(self.candidates), trace.iteration, self.generation_s,
             best.summary().splitlines()[0] if best else "none",
         )
         if best is not None and not best.feasible:
