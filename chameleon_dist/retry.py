@@ -3,9 +3,9 @@
 - ``GradientSnapshot``: the gradient every parameter had when the iteration began (None, or its
   values), so the retry never adds to a half-accumulated gradient. Taken for the parameters of attached
   models and of the optimizer passed to ``run_iteration``; parameters the runtime cannot see are not
-  restored (the runtime warns when that may have happened). Existing gradients are copied to host memory
-  once per iteration, outside the metered device; ``zero_grad(set_to_none=True)`` before each
-  iteration (the common loop) makes the snapshot free.
+  restored (the runtime warns when that may have happened). Gradients zeroed in place are checked on
+  their device and not copied; other existing gradients are copied to host memory once per iteration,
+  outside the metered device; ``zero_grad(set_to_none=True)`` makes the snapshot free.
 - ``RandomState``: the CPU generator and the device's, so dropout masks repeat exactly.
 - ``final_out_of_memory``: the error the last failed attempt raises, saying why swapping could not make
   room and what to change.
@@ -26,17 +26,35 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.units import format_bytes
 
 
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+_ZEROS = object()  # marks a gradient whose every bit was 0 when the snapshot was taken (nothing copied)
+
+
 class GradientSnapshot:
+    """The gradient of every parameter as the iteration began, to give back before a retry.
+
+    A gradient whose bits are all 0 (what ``zero_grad(set_to_none=False)`` and the zeroed gradient
+    buffers of Megatron and DeepSpeed leave) is not copied: ``restore`` zeroes it again. Checking costs a
+    read of the gradient on its device (a single synchronization for all of them); copying would cost a
+    device-to-host copy of every gradient in every iteration. Other gradients (accumulated across
+    iterations, sparse ones) are copied to host memory. ``host_bytes`` says how much was copied."""
+
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self._saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
-        seen: set[int] = set()
-        for parameter in parameters:
-            if id(parameter) in seen:
-                continue
-            seen.add(id(parameter))
+        self._saved: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
+        unique = list({id(p): p for p in parameters}.values())
+        zero_bits = _all_zero_bits([p.grad for p in unique])
+        self.host_bytes = 0
+        for parameter, zero in zip(unique, zero_bits):
             grad = parameter.grad
-            host_copy = None if grad is None else grad.detach().to("cpu", copy=True)
-            self._saved.append((parameter, grad, host_copy))
+            if grad is None:
+                kept = None
+            elif zero:
+                kept = _ZEROS
+            else:
+                kept = grad.detach().to("cpu", copy=True)
+                self.host_bytes += grad.numel() * grad.element_size()
+            self._saved.append((parameter, grad, kept))
 
     def __len__(self) -> int:
         return len(self._saved)
@@ -48,13 +66,34 @@ class GradientSnapshot:
         """Every parameter gets back the gradient it had (the same tensor object, so buffers that alias it
         stay valid), or None."""
         with torch.no_grad():
-            for parameter, grad, host_copy in self._saved:
+            for parameter, grad, kept in self._saved:
                 if grad is None:
                     parameter.grad = None
                     continue
-                grad.copy_(host_copy)
+                if kept is _ZEROS:
+                    grad.zero_()
+                else:
+                    grad.copy_(kept)
                 if parameter.grad is not grad:
                     parameter.grad = grad
+
+
+def _all_zero_bits(grads: list[torch.Tensor | None]) -> list[bool]:
+    """For each dense gradient: whether all its bits are 0 (exactly what ``zero_()`` writes; -0.0 and NaN
+    are not). None and sparse gradients: False. One host synchronization for all of them."""
+    flags = []
+    for grad in grads:
+        integer = None if grad is None or grad.layout != torch.strided else _SAME_SIZE_INTEGER.get(grad.element_size())
+        if integer is None or grad.is_complex():
+            flags.append(None)
+            continue
+        flags.append(grad.detach().view(integer).any())
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        if f is not None:
+            by_device.setdefault(f.device, []).append(f)
+    answers = {device: iter(torch.stack(found).tolist()) for device, found in by_device.items()}
+    return [False if f is None else not next(answers[f.device]) for f in flags]
 
 
 class RandomState:

@@ -270,7 +270,8 @@ class Chameleon:
         - Without ``optimizer``, gradients of parameters outside attached models cannot be restored: pass
           the optimizer (or ``attach`` every model); the first such retry logs a warning.
         - Gradients that exist when the iteration begins are copied to host memory so a retry can restore
-          them; ``zero_grad(set_to_none=True)`` before each iteration avoids that copy.
+          them, except gradients zeroed in place (``zero_grad(set_to_none=False)``, framework gradient
+          buffers): those are only read on their device, and zeroed again for a retry.
 
         **What is not retried.** Keep the optimizer step out of the closure. An out-of-memory error
         inside ``optimizer.step()`` is raised as ``OptimizerStepOutOfMemoryError`` (the step may already

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist import Chameleon, EmulatedDevice
-from chameleon_dist.retry import OptimizerStepOutOfMemoryError
+from chameleon_dist.retry import GradientSnapshot, OptimizerStepOutOfMemoryError
 from tests.models import lm_batch, lm_loss, make_lm
 
 MODEL = dict(vocab=64, hidden=32, heads=4, layers=1, dropout=0.1)
@@ -66,7 +66,7 @@ def _loss(model, tokens, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _train(steps, fail_at=None, pass_optimizer=True, zero_grad=True, seed=0):
+def _train(steps, fail_at=None, pass_optimizer=True, zero_grad=True, seed=0, set_to_none=True):
     torch.manual_seed(seed)
     model = WithHead()
     chameleon = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(10**9))
@@ -82,7 +82,7 @@ def _train(steps, fail_at=None, pass_optimizer=True, zero_grad=True, seed=0):
             optimizer.step()
         grads.append([p.grad.clone() for p in model.parameters()])
         if zero_grad:
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
     return grads, chameleon
 
 
@@ -97,6 +97,50 @@ def test_a_retry_restores_the_gradients_of_every_optimizer_parameter(zero_grad):
     reference, _ = _train(3, zero_grad=zero_grad)
     retried, chameleon = _train(3, fail_at=40, zero_grad=zero_grad)
     _assert_equal(reference, retried)
+
+
+def test_a_retry_restores_gradients_zeroed_in_place_without_copying_them():
+    """Gradient buffers zeroed in place (``zero_grad(set_to_none=False)``, Megatron's and DeepSpeed's
+    buffers) are restored by zeroing them again: bit-identical, and no per-iteration host copy."""
+    reference, _ = _train(3, set_to_none=False)
+    retried, chameleon = _train(3, fail_at=40, set_to_none=False)
+    _assert_equal(reference, retried)
+    assert chameleon.last_report.oom_retries == 0
+    model = WithHead()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    assert GradientSnapshot(model.parameters()).host_bytes == 0
+
+
+def test_a_gradient_snapshot_gives_back_every_bit():
+    """Zeros are not copied; anything else (a -0.0, a NaN, values, bf16, a sparse gradient) is, and every
+    gradient comes back bit for bit, as the same tensor object."""
+    shapes = [(3, 4), (5,), (2, 2), (7,), (4,), (6, 2)]
+    params = [nn.Parameter(torch.ones(s)) for s in shapes]
+    params[4] = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    grads = [torch.zeros(3, 4), torch.zeros(5), torch.full((2, 2), float("nan")), None,
+             torch.zeros(4, dtype=torch.bfloat16), torch.sparse_coo_tensor([[1], [0]], [2.0], (6, 2))]
+    grads[1][3] = -0.0
+    for p, g in zip(params, grads):
+        p.grad = g
+    before = [None if g is None else g.clone() for g in grads]
+    snapshot = GradientSnapshot(params + params[:2])  # a parameter listed twice is taken once
+    assert len(snapshot) == len(params)
+    assert snapshot.host_bytes == (5 + 4) * 4 + 6 * 2 * 4  # the -0.0, the NaNs and the sparse one
+    for p in params:
+        p.grad = torch.randn(p.shape, dtype=p.dtype)
+    params[4].grad = None
+    snapshot.restore()
+    for p, g, b in zip(params, grads, before):
+        if g is None:
+            assert p.grad is None
+            continue
+        assert p.grad is g
+        if g.is_sparse:
+            assert torch.equal(g.to_dense(), b.to_dense())
+        else:
+            bits = {2: torch.int16, 4: torch.int32}[g.element_size()]
+            assert torch.equal(g.view(bits), b.view(bits)), "restored bit for bit (-0.0, NaN included)"
 
 
 def test_without_the_optimizer_a_retry_warns_that_unknown_parameters_are_not_restored(caplog):
