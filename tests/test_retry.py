@@ -119,7 +119,7 @@ def test_a_gradient_snapshot_gives_back_every_bit():
     params = [nn.Parameter(torch.ones(s)) for s in shapes]
     params[4] = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
     grads = [torch.zeros(3, 4), torch.zeros(5), torch.full((2, 2), float("nan")), None,
-             torch.zeros(4, dtype=torch.bfloat16), torch.sparse_coo_tensor([[1], [0]], [2.0], (6, 2))]
+             torch.zeros(4, dtype=torch.bfloat16), torch.sparse_coo_tensor([[1], [0]], [2.0], (6, 2), check_invariants=True)]
     grads[1][3] = -0.0
     for p, g in zip(params, grads):
         p.grad = g
