@@ -133,8 +133,7 @@ def test_a_real_out_of_memory_retry_records_the_same_trace_as_a_run_that_fit_at_
     capacity = clean.last_report.peak_device_bytes + 4096  # fits with 4 KiB, not without swapping
 
     model = make_lm(0, **MODEL)
-    retried = _runtime(model, capacity)
-    retried.executor.min_swap_bytes = 64 * 2**10  # nothing qualifies on the first attempt
+    retried = _runtime(model, capacity, min_swap_bytes="64KiB")  # nothing qualifies on the first attempt
     _run(retried, _closure(model))
     assert retried.last_report.oom_retries == 1 and retried.executor.min_swap_bytes == 4 * 2**10
     _assert_same_iteration(retried, clean)

@@ -99,9 +99,9 @@ def test_run_iteration_recovers_from_out_of_memory_with_clean_gradients():
 
     model = make_lm(0, **MODEL)
     device = EmulatedDevice(capacity)
-    chameleon = Chameleon({"min_swap_bytes": "8KiB", "executor": {"max_oom_retries": 3}}, device=device)
+    oversized = 4 * 2**20  # nothing qualifies on the first attempt
+    chameleon = Chameleon({"min_swap_bytes": oversized, "executor": {"max_oom_retries": 3}}, device=device)
     chameleon.attach(model)
-    oversized = chameleon.executor.min_swap_bytes = 4 * 2**20  # nothing qualifies on the first attempt
     chameleon.run_iteration(_closure(model, 2))
     report = chameleon.last_report
     assert report.oom_retries >= 1
