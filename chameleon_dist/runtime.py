@@ -30,7 +30,7 @@ from chameleon_dist.config.checks import model_fit_problem, runtime_problems
 from chameleon_dist.device.base import Device, module_device_bytes
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
-from chameleon_dist.policy.generator import PolicySettings
+from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
 from chameleon_dist.profiler.online import Observation, OnlineProfiler

@@ -2,7 +2,7 @@
 
 import pytest
 
-from chameleon_dist.policy.generator import PolicySettings
+from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause

@@ -1,8 +1,10 @@
-"""Policy generation: logical layers and their timing, candidates and Eq. 2 scores, the simulator, and the
-``Policy`` the executor applies. Pure Python over a ``StepTrace``; no device needed."""
+"""Policy generation and selection: logical layers and their timing, candidates and Eq. 2 scores, the simulator, the
+``Policy`` the executor applies, and the ``PolicyController`` that chooses one per iteration. Pure Python over a
+``StepTrace``; no device needed."""
 
 from chameleon_dist.policy.candidates import Candidate, Reduction, find_candidates, reduction_list, score_candidates
-from chameleon_dist.policy.generator import PolicySet, PolicySettings, generate_policies
+from chameleon_dist.policy.generator import PolicySet, generate_policies
+from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.layers import (
     Eq1Error,
     LayerGroup,

@@ -10,11 +10,11 @@ budget, why (``Policy.infeasibility`` for code, ``Policy.reason`` for people).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from chameleon_dist.policy.candidates import Candidate
+from chameleon_dist.policy.inputs import Context, Variant
 from chameleon_dist.policy.model import (
     NEITHER_INPUT_NOR_OUTPUT,
     Decision,
@@ -27,9 +27,6 @@ from chameleon_dist.policy.model import (
 from chameleon_dist.policy.simulator import Outcome, Planned, SimResult
 from chameleon_dist.trace.step_trace import OpRecord
 from chameleon_dist.units import format_bytes
-
-if TYPE_CHECKING:  # (the generator imports this module)
-    from chameleon_dist.policy.generator import Context, Variant
 
 
 @dataclasses.dataclass

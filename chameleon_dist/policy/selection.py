@@ -24,7 +24,8 @@ import time
 import types
 from typing import Mapping
 
-from chameleon_dist.policy.generator import PolicySettings, generate_policies
+from chameleon_dist.policy.generator import generate_policies
+from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
 from chameleon_dist.trace.step_trace import StepTrace
