@@ -101,7 +101,7 @@ class Chameleon:
         for batch in data:
             optimizer.zero_grad(set_to_none=True)
             loss = chameleon.run_iteration(lambda: step(model, batch), optimizer=optimizer)
-            print(chameleon.last_report.peak_device_bytes)
+            logger.info("peak %d bytes", chameleon.last_report.peak_device_bytes)
 
     Read API: ``stage`` (the next iteration's), ``last_report``, ``last_trace``, ``controller`` (the
     policies tried and chosen), ``executor``, ``profiler``, ``device``.

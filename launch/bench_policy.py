@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budgets-gib", type=float, nargs="+", default=[64, 60, 56, 48, 40], help="(2) memory budgets")
     parser.add_argument("--link-gbps", type=float, default=23.0,
-                        help="(2) host link GB/s each way (default: REFERENCE.md's measured Ascend 910B figure)")
+                        help="(2) host link GB/s each way (default: the Ascend 910B pinned-copy rate measured for MindSpeed, configs/hardware/ascend-910b.yaml)")
     parser.add_argument("--peak-tflops", type=float, default=313.0, help="(2) accelerator peak (910B fp16)")
     parser.add_argument("--efficiency", type=float, default=0.5, help="(2) fraction of peak reached")
     parser.add_argument("--repeats", type=int, default=3, help="(2) generate_policies runs per budget")

@@ -1,4 +1,4 @@
-"""The house rules of DESIGN.md section 3, enforced on the source tree."""
+"""The house rules of the package layout (README "Layout"), enforced on the source tree."""
 
 import ast
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "chameleon_dist"
 
-# Which top-level parts of chameleon_dist each part may import (DESIGN.md section 3).
+# Which top-level parts of chameleon_dist each part may import (one-way: lower parts never import higher ones).
 ALLOWED = {
     "units": set(),
     "config": {"units"},

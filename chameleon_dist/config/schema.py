@@ -1,4 +1,5 @@
-"""``ChameleonConfig``: the one schema for every way Chameleon is configured (DESIGN.md section 7).
+"""``ChameleonConfig``: the one schema for every way Chameleon is configured: a YAML file, the
+``"chameleon"`` block of a DeepSpeed config, or Megatron launch arguments.
 
 Field names are used by code outside this repository: keep them. Sizes accept ints (bytes) and strings
 such as ``"6GB"``; budgets also accept a fraction in (0, 1] and ``"auto"``. Values are stored normalised

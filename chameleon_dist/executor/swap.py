@@ -73,7 +73,7 @@ class SwapExecutor:
         with executor.active(IterationContext(policy=policy)) as counters:
             loss = model(batch).sum()
             loss.backward()
-        print(counters.swap_out_bytes)
+        logger.info("swapped out %d bytes", counters.swap_out_bytes)
 
     Under memory pressure the device calls ``relieve_pressure`` (the runtime installs it as the device's
     pressure handler). After an out-of-memory error, ``new_attempt`` starts the iteration over.
