@@ -280,10 +280,7 @@ class CudaDevice:
             self._timed_wait(stream, event)
         released_bytes = 0
         while self._held_sources:
-            handle = self._held_sources.popleft()
-            released_bytes += handle.nbytes
-            handle.guard = None
-            handle.source = None
+            released_bytes += self._let_go_oldest_source()
         return released_bytes
 
     def release_completed_sources(self) -> int:
@@ -292,10 +289,7 @@ class CudaDevice:
         the scan stops at the first unfinished one)."""
         released_bytes = 0
         while self._held_sources and self._held_sources[0].done():
-            handle = self._held_sources.popleft()
-            released_bytes += handle.nbytes
-            handle.guard = None
-            handle.source = None
+            released_bytes += self._let_go_oldest_source()
         return released_bytes
 
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
@@ -355,6 +349,14 @@ class CudaDevice:
     def _note_host_copy(self, host: torch.Tensor, done) -> None:
         if host.numel():
             self._host_last_copy[host.data_ptr()] = done
+
+    def _let_go_oldest_source(self) -> int:
+        """Drop the device's hold on the oldest held swap-out source (its copy completed, or its stream was
+        ordered after the copy); returns its bytes."""
+        handle = self._held_sources.popleft()
+        handle.guard = None
+        handle.source = None
+        return handle.nbytes
 
     def _release_finished_host_buffers(self) -> None:
         if not self._pending_host:

@@ -40,7 +40,6 @@ class IterationProfile:
     signature: Signature
     comparison: Comparison
     transition: Transition | None
-    trace: StepTrace | None
 
 
 class OnlineProfiler:
@@ -130,5 +129,4 @@ class OnlineProfiler:
         # profiled iteration and whenever the runtime goes back to WarmUp.
         if self.reference is None or observation.recorder is not None or self.stages.stage == Stage.WARMUP:
             self.reference = signature
-        trace = self.last_trace if observation.recorder is not None else None
-        return IterationProfile(observation.stage, signature, comparison, transition, trace)
+        return IterationProfile(observation.stage, signature, comparison, transition)
