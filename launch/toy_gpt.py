@@ -34,11 +34,14 @@ class FeedForward(nn.Module):
 
 class MoEFeedForward(nn.Module):
     """Top-k routing over expert MLPs; each expert runs on the tokens routed to it. The router's bias is
-    skewed so that the token counts per expert are uneven; ``counts`` holds those of the last forward."""
+    skewed so that the token counts per expert are uneven; ``counts`` holds those of the last forward.
+    ``skip_idle``: an expert that gets no token does not run at all (as Hugging Face Mixtral's eager loop
+    does), so its ops are missing from the iteration; otherwise it runs on zero tokens."""
 
-    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, skip_idle: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
+        self.skip_idle = skip_idle
         self.router = nn.Linear(hidden, experts)
         with torch.no_grad():
             self.router.bias.copy_(torch.linspace(1.5, -1.5, experts))
@@ -54,6 +57,8 @@ class MoEFeedForward(nn.Module):
         for e, expert in enumerate(self.experts):
             token, slot = (choice == e).nonzero(as_tuple=True)
             counts.append(token.numel())
+            if self.skip_idle and not token.numel():
+                continue
             out = out.index_add(0, token, expert(flat[token]) * gates[token, slot].unsqueeze(1))
         self.counts = tuple(counts)
         return out.view(b, s, h)
@@ -96,25 +101,28 @@ class GPT(nn.Module):
     ``positions`` > 0: a learned position embedding (``position``, after ``embed``) of that many positions,
     added to the token embedding. ``mlp_module``: every layer's MLP is a ``FeedForward`` at ``layers.<i>.mlp``
     (built before the layer's attention); with ``experts`` > 0 every odd layer's is a ``MoEFeedForward`` of
-    that many experts with top-``top_k`` routing (``experts`` implies ``mlp_module``). ``norms_first``: see
-    ``Block``."""
+    that many experts with top-``top_k`` routing (``experts`` implies ``mlp_module``; ``skip_idle_experts``:
+    see ``MoEFeedForward``). ``norms_first``: see ``Block``."""
 
     def __init__(self, vocab: int, hidden: int, heads: int, layers: int, *, positions: int = 0,
-                 norms_first: bool = True, mlp_module: bool = False, experts: int = 0, top_k: int = 2) -> None:
+                 norms_first: bool = True, mlp_module: bool = False, experts: int = 0, top_k: int = 2,
+                 skip_idle_experts: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.position = nn.Embedding(positions, hidden) if positions else None
         self.layers = nn.ModuleList(
-            Block(hidden, heads, self._mlp(i, hidden, mlp_module, experts, top_k), norms_first=norms_first)
+            Block(hidden, heads, self._mlp(i, hidden, mlp_module, experts, top_k, skip_idle_experts),
+                  norms_first=norms_first)
             for i in range(layers)
         )
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     @staticmethod
-    def _mlp(index: int, hidden: int, mlp_module: bool, experts: int, top_k: int) -> nn.Module | None:
+    def _mlp(index: int, hidden: int, mlp_module: bool, experts: int, top_k: int,
+             skip_idle: bool = False) -> nn.Module | None:
         if experts and index % 2:
-            return MoEFeedForward(hidden, 4 * hidden, experts, top_k)
+            return MoEFeedForward(hidden, 4 * hidden, experts, top_k, skip_idle)
         return FeedForward(hidden, 4 * hidden) if mlp_module or experts else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
