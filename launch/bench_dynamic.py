@@ -1,0 +1,413 @@
+"""Dynamic sequences (issue 12): Chameleon at half the unswapped peak against a plain loop, on models whose
+operator sequence changes from iteration to iteration, with the host link emulated at an accelerator preset.
+
+Two cases, each training two copies of one plain-PyTorch GPT (launch/toy_gpt.py; identical initialisation,
+the same batches, plain SGD) on their own ``EmulatedDevice``, whose links are calibrated to ``--preset``
+with one CPU matmul measurement (as in launch/bench_executor.py):
+
+- ``moe``: every odd layer's MLP is an eager top-2 mixture of ``--experts`` experts with a skewed router, and
+  an expert that receives no token does not run (``skip_idle_experts``, like Hugging Face Mixtral's eager
+  loop): which experts run, and so the operator sequence, changes from batch to batch (sequence length
+  ``--seq``). The number of idle experts per iteration is reported.
+- ``lengths``: a dense GPT whose sequence length is drawn from ``--lengths`` every ``--length-every``
+  iterations (seeded RNG): every saved activation changes size when the length changes.
+
+Per case:
+
+1. plain: ``enabled: false`` (metering and the cheap signature only, nothing swapped), capacity unbounded:
+   the reference time. A first, untimed pass of the same loop over all the case's batches measures the
+   unswapped peak (the maximum over the iterations).
+2. chameleon: capacity = ``--capacity-fraction`` (0.5) x that peak, ``memory_budget`` left at its default,
+   ``min_swap_bytes`` = ``--min-swap-kib``.
+
+Both run the same iterations interleaved (plain first in even iterations, chameleon first in odd ones), so
+both see the same machine noise. Reported: the median over chameleon's Stable iterations of its iteration
+time over the plain loop's time in the same iteration (``ratio``); the share of the iterations after the
+first WarmUp + GenPolicy stretch that ran in Stable (``last_report.stage``); passive swaps
+(``last_report.passive_swaps``, all iterations); the peak over the capacity; the stage transitions back to
+WarmUp (``last_report.stage_transition``, with their reasons); and whether every loss and the final
+parameters are ``torch.equal`` to the plain run's. Should chameleon raise ``OutOfMemoryError`` (every
+retry failed), the case stops at that iteration and says so; the losses before it are still compared.
+Gradients stay allocated between steps (``zero_grad(set_to_none=False)``), one torch thread by default.
+
+Times are emulated: the model computes on this CPU and the link is slowed to the preset's FLOP per link
+byte against this CPU's matmul rate. Small models move many bytes per FLOP, so the ratio is dominated by
+the link once half the activations must leave the device.
+
+    .venv/bin/python launch/bench_dynamic.py --json runs/bench_dynamic.json   # ~5 min on 2 cores
+    .venv/bin/python launch/bench_dynamic.py --small                          # ~30 s (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import logging
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from bench_executor import MIB, Variant, host_batch  # noqa: E402
+from machine_info import finish, header, write_json  # noqa: E402
+from toy_gpt import GPT, MoEFeedForward  # noqa: E402
+
+import torch
+
+from chameleon_dist import Chameleon
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
+
+logger = logging.getLogger(__name__)
+
+CASES = ("moe", "lengths")
+SWAP_ALL = "no policy (every eligible tensor swapped)"
+
+
+# ---- cases --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model and its batches: ``seq_lengths[i]`` is iteration ``i``'s sequence length."""
+
+    name: str
+    model_kwargs: dict
+    seq_lengths: tuple[int, ...]
+    description: str
+
+    def make_model(self, args: argparse.Namespace) -> GPT:
+        torch.manual_seed(args.seed)
+        return GPT(args.vocab, args.hidden, args.heads, args.layers, **self.model_kwargs)
+
+    def batch(self, args: argparse.Namespace, step: int) -> torch.Tensor:
+        shape = SimpleNamespace(seed=args.seed, vocab=args.vocab, batch=args.batch, seq=self.seq_lengths[step])
+        return host_batch(shape, step)
+
+
+def make_case(name: str, args: argparse.Namespace) -> Case:
+    if name == "moe":
+        return Case(name, {"experts": args.experts, "top_k": 2, "skip_idle_experts": True},
+                    (args.seq,) * args.iterations,
+                    f"eager top-2 MoE, {args.experts} experts in every odd layer, idle experts skipped, seq {args.seq}")
+    rng = random.Random(args.seed)
+    lengths: list[int] = []
+    while len(lengths) < args.iterations:
+        lengths += [rng.choice(args.lengths)] * args.length_every
+    return Case(name, {}, tuple(lengths[:args.iterations]),
+                f"dense GPT, seq drawn from {{{', '.join(map(str, args.lengths))}}} every {args.length_every} "
+                "iterations")
+
+
+class CaseVariant(Variant):
+    """bench_executor's ``Variant`` (its ``step`` and records) on a case's model, always with a runtime."""
+
+    def __init__(self, name: str, case: Case, args: argparse.Namespace, device: EmulatedDevice, config: dict) -> None:
+        self.name = name
+        self.device = device
+        self.model = case.make_model(args)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr)
+        self.chameleon = Chameleon(config, device=device)
+        self.chameleon.attach(self.model)
+        self.emulation = None
+        self.losses: list[torch.Tensor] = []
+        self.records: list[dict] = []
+
+    def step(self, batch: torch.Tensor) -> dict:
+        record = super().step(batch)
+        r = self.chameleon.last_report
+        record.update(sequence_changed=r.sequence_changed, sequence_differs=r.sequence_differs, num_ops=r.num_ops,
+                      matched_fuzzy=r.matched_fuzzy)
+        return record
+
+    def idle_experts(self) -> int:
+        """Experts that got no token in the last forward, over all MoE layers."""
+        return sum(c == 0 for m in self.model.modules() if isinstance(m, MoEFeedForward) for c in m.counts)
+
+
+# ---- run ----------------------------------------------------------------------------------------
+def first_plan_end(stages: list[str]) -> int:
+    """The index of the first iteration after the opening WarmUp stretch and the GenPolicy stretch after it."""
+    i = 0
+    for stage in ("warmup", "gen_policy"):
+        while i < len(stages) and stages[i] == stage:
+            i += 1
+    return i
+
+
+def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
+    """The case's unswapped peak (an untimed plain pass), then the plain loop and chameleon interleaved."""
+
+    def device(capacity: int) -> EmulatedDevice:
+        return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
+
+    n = args.iterations
+    start_s = time.perf_counter()
+    measure = CaseVariant("measure", case, args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    idle = []
+    for i in range(n):
+        measure.step(case.batch(args, i))
+        idle.append(measure.idle_experts())
+    peaks = [r["peak_bytes"] for r in measure.records]
+    unswapped_peak = max(peaks)
+    capacity_bytes = int(args.capacity_fraction * unswapped_peak)
+    measure_s = time.perf_counter() - start_s
+
+    config: dict = {"min_swap_bytes": args.min_swap_bytes}
+    if args.policy_trials is not None:
+        config["profiler"] = {"policy_trials": args.policy_trials}
+    plain = CaseVariant("plain", case, args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    cham = CaseVariant("chameleon", case, args, device(capacity_bytes), config)
+    start_s = time.perf_counter()
+    failure = None
+    for i in range(n):
+        batch = case.batch(args, i)
+        try:
+            for variant in (plain, cham) if i % 2 == 0 else (cham, plain):
+                variant.step(batch)
+        except torch.OutOfMemoryError as exc:  # the runtime gave up: report it, keep what ran before
+            failure = {"iteration": i, "stage": getattr(cham.chameleon.last_report, "stage", ""),
+                       "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+            logger.warning("%s: chameleon failed in iteration %d: %s", case.name, i, failure["error"])
+            break
+        c = cham.records[-1]
+        (logger.info if args.verbose else logger.debug)(
+            "%s %3d seq %d idle %2d | plain %.3f s | chameleon %.3f s %s%s out %.2f MiB peak %.2f MiB%s%s",
+            case.name, i, case.seq_lengths[i], idle[i], plain.records[-1]["iteration_s"], c["iteration_s"], c["stage"],
+            "/" + c["policy"] if c["policy"] else "", c["swap_out_bytes"] / MIB, c["peak_bytes"] / MIB,
+            f" passive {c['passive_swaps']}" if c["passive_swaps"] else "",
+            f" -> {c['stage_transition']}" if c["stage_transition"] else "")
+    rounds_s = time.perf_counter() - start_s
+
+    done = len(cham.records)  # n, or the iteration in which chameleon failed
+    stages = [r["stage"] for r in cham.records]
+    begin = first_plan_end(stages)
+    after = range(begin, done)
+    stable = [i for i in after if stages[i] == "stable"]
+    ratios = [cham.records[i]["iteration_s"] / plain.records[i]["iteration_s"] for i in range(done)]
+    transitions = [(i, r["stage_transition"]) for i, r in enumerate(cham.records) if r["stage_transition"]]
+    ref_params = list(plain.model.parameters())
+    losses_equal = sum(torch.equal(a, b) for a, b in zip(cham.losses, plain.losses))
+    params_equal = sum(torch.equal(a.detach(), b.detach()) for a, b in zip(ref_params, cham.model.parameters()))
+    identical = losses_equal == len(plain.losses) == len(cham.losses) and params_equal == len(ref_params)
+    measure_equal = (all(torch.equal(a, b) for a, b in zip(measure.losses, plain.losses))
+                     and (failure is not None or all(torch.equal(a.detach(), b.detach())
+                                                     for a, b in zip(measure.model.parameters(), ref_params))))
+    moe_layers = sum(isinstance(m, MoEFeedForward) for m in plain.model.modules())
+    return {
+        "description": case.description,
+        "iterations": n,
+        "failed": failure,  # None, or the iteration in which chameleon raised (the case stopped there)
+        "seq_lengths": list(case.seq_lengths),
+        "model": {"parameters": sum(p.numel() for p in plain.model.parameters()),
+                  "parameter_bytes": sum(p.numel() * p.element_size() for p in plain.model.parameters()),
+                  "moe_layers": moe_layers, "experts": case.model_kwargs.get("experts", 0)},
+        "idle_experts": idle if moe_layers else None,
+        "iterations_with_idle_experts": sum(x > 0 for x in idle) if moe_layers else None,
+        "unswapped_peak_bytes": unswapped_peak,
+        "unswapped_peaks_mib": [b / MIB for b in peaks],
+        "capacity_bytes": capacity_bytes,
+        "plain_peaks_match_measurement": [r["peak_bytes"] for r in plain.records] == peaks[:len(plain.records)],
+        "first_plan_end": begin,
+        "stages": {s: stages.count(s) for s in sorted(set(stages))},
+        "stable_iterations": len(stable),
+        "stable_share": len(stable) / len(after) if after else None,
+        "ratio": statistics.median(ratios[i] for i in stable) if stable else None,
+        "ratio_after_first_plan": statistics.median(ratios[i] for i in after) if after else None,
+        "stall_share_stable": statistics.median(cham.records[i]["stall_s"] / plain.records[i]["iteration_s"]
+                                                for i in stable) if stable else None,
+        "plain_median_s": statistics.median(r["iteration_s"] for r in plain.records[:done]) if done else None,
+        "chameleon_median_stable_s": (statistics.median(cham.records[i]["iteration_s"] for i in stable)
+                                      if stable else None),
+        "swap_out_mib_stable": (statistics.median(cham.records[i]["swap_out_bytes"] for i in stable) / MIB
+                                if stable else None),
+        "passive_swaps": sum(r["passive_swaps"] for r in cham.records),
+        "passive_swaps_stable": sum(cham.records[i]["passive_swaps"] for i in stable),
+        "oom_retries": sum(r["oom_retries"] for r in cham.records),
+        "peak_bytes": max((r["peak_bytes"] for r in cham.records), default=0),
+        "peak_over_capacity": max((r["peak_bytes"] for r in cham.records), default=0) / capacity_bytes,
+        "transitions": transitions,
+        "transitions_to_warmup": sum("-> warmup" in t for _, t in transitions),
+        "policies": sorted({r["policy"] for r in cham.records if r["policy"]}),
+        # the policy each Stable iteration applied ("" = none: every eligible tensor swapped)
+        "stable_policies": {name: [cham.records[i]["policy"] for i in stable].count(name)
+                            for name in sorted({cham.records[i]["policy"] for i in stable})},
+        "sequence_changed": sum(r["sequence_changed"] for r in cham.records),
+        "sequence_differs": sum(r["sequence_differs"] for r in cham.records),
+        "losses_equal": losses_equal,
+        "losses_compared": min(len(plain.losses), len(cham.losses)),
+        "parameters_equal": None if failure else params_equal,
+        "parameters_compared": 0 if failure else len(ref_params),
+        # None when chameleon failed: the losses before are compared, the final parameters cannot be
+        "bit_identical": None if failure else identical,
+        "measurement_pass_identical": measure_equal,
+        "chameleon_iterations": [{"iteration": i, "seq": case.seq_lengths[i], "stage": r["stage"],
+                                  "policy": r["policy"],
+                                  "iteration_s": r["iteration_s"], "plain_s": plain.records[i]["iteration_s"],
+                                  "stall_s": r["stall_s"], "peak_mib": r["peak_bytes"] / MIB,
+                                  "swap_out_mib": r["swap_out_bytes"] / MIB, "passive_swaps": r["passive_swaps"],
+                                  "oom_retries": r["oom_retries"], "unmatched": r["unmatched"],
+                                  "matched_fuzzy": r["matched_fuzzy"], "sequence_changed": r["sequence_changed"],
+                                  "sequence_differs": r["sequence_differs"], "num_ops": r["num_ops"],
+                                  "stage_transition": r["stage_transition"]}
+                                 for i, r in enumerate(cham.records)],
+        "wall_s": {"measurement": measure_s, "interleaved": rounds_s},
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    flops = measure_matmul_flop_per_s()
+    calibration = calibrate(args.preset, flops)
+    cases = {}
+    gc.collect()
+    gc.freeze()  # what is alive now (torch and the rest) is not scanned again by each step's gc.collect()
+    try:
+        for name in args.cases:
+            logger.info("case %s ...", name)
+            cases[name] = run_case(make_case(name, args), args, flops)
+    finally:
+        gc.unfreeze()
+    return {
+        "calibration": {"preset": args.preset, "description": calibration.preset.description,
+                        "cpu_flop_per_s": flops, "h2d_bytes_per_s": calibration.h2d_bytes_per_s,
+                        "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
+                        "flop_per_link_byte": calibration.preset.h2d_flop_per_byte, "text": calibration.describe()},
+        "cases": cases,
+        "checks": {"all_bit_identical": all(c["bit_identical"] is True for c in cases.values()),
+                   "no_failure": not any(c["failed"] for c in cases.values()),
+                   "peak_within_capacity": all(c["peak_over_capacity"] <= 1 for c in cases.values())},
+    }
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(r: dict) -> None:
+    m, cal, c = r["machine"], r["calibration"], r["config"]
+    print(f"command: {r['command']}")
+    print(f"date: {r['date']}; {m['cpu']} ({m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}; "
+          f"load average {m['load_average_before']:.2f} before, {m['load_average_after']:.2f} after "
+          f"(other jobs share this machine)")
+    print(f"emulated (CPU), link = {cal['preset']} calibrated: {cal['h2d_bytes_per_s'] / 1e6:.2f} MB/s each way "
+          f"(CPU matmul {cal['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s, {cal['flop_per_link_byte']:,.0f} FLOP per link byte "
+          f"as on {cal['description']}); all times are emulated")
+    print(f"model: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']}, vocab "
+          f"{c['vocab']}, fp32, SGD; {c['iterations']} iterations per case, plain and chameleon interleaved; "
+          f"chameleon capacity {c['capacity_fraction']:g} x the unswapped peak, memory_budget default, "
+          f"min_swap_bytes {c['min_swap_kib']:g} KiB")
+    print()
+    print(f"{'case':<9}{'plain s':>8}{'ratio':>7}{'stable':>8}{'passive':>8}{'peak/cap':>9}{'->warmup':>9}"
+          f"{'peak MiB':>9}{'cap MiB':>8}{'bit-identical':>15}")
+    for name, v in r["cases"].items():
+        verdict = {True: "yes", False: "NO", None: "n/a"}[v["bit_identical"]]
+        same = f"{verdict} {v['losses_equal']}/{v['losses_compared']}"
+        print(f"{name:<9}{_fmt(v['plain_median_s'], '.3f'):>8}{_fmt(v['ratio'], '.2f'):>7}"
+              f"{_fmt(v['stable_share'], '.0%'):>8}"
+              f"{v['passive_swaps']:>8}{v['peak_over_capacity']:>9.2f}{v['transitions_to_warmup']:>9}"
+              f"{v['peak_bytes'] / MIB:>9.2f}{v['capacity_bytes'] / MIB:>8.2f}{same:>15}")
+    print("  ratio = median over Stable iterations of chameleon / plain (same iteration); stable = share of the "
+          "iterations after the first WarmUp + GenPolicy that ran in Stable; passive = passive swaps, all iterations")
+    for name, v in r["cases"].items():
+        mod = v["model"]
+        print(f"{name}: {v['description']}; {mod['parameters'] / 1e3:.0f} k parameters "
+              f"({mod['parameter_bytes'] / MIB:.2f} MiB); unswapped peak {v['unswapped_peak_bytes'] / MIB:.2f} MiB, "
+              f"capacity {v['capacity_bytes'] / MIB:.2f} MiB")
+        if v["idle_experts"] is not None:
+            print(f"  idle experts per iteration (of {mod['experts'] * mod['moe_layers']}): median "
+                  f"{statistics.median(v['idle_experts']):g}, range {min(v['idle_experts'])}-{max(v['idle_experts'])}; "
+                  f"iterations with an idle expert {v['iterations_with_idle_experts']}/{v['iterations']}")
+        print(f"  stages {v['stages']}; first WarmUp + GenPolicy ended after iteration {v['first_plan_end'] - 1}; "
+              f"Stable {v['stable_iterations']} iterations; ratio after it (all stages) "
+              f"{_fmt(v['ratio_after_first_plan'], '.2f')}; stall in Stable {_fmt(v['stall_share_stable'], '.1%')} "
+              f"of the "
+              f"plain time; swapped out in Stable {_fmt(v['swap_out_mib_stable'], '.2f')} MiB/it")
+        print(f"  passive swaps {v['passive_swaps']} ({v['passive_swaps_stable']} in Stable), OOM retries "
+              f"{v['oom_retries']}; sequence changed {v['sequence_changed']}, differed {v['sequence_differs']} times; "
+              f"policies tried {', '.join(v['policies']) or 'none'}; Stable ran "
+              f"{', '.join(f'{p or SWAP_ALL} x{k}' for p, k in v['stable_policies'].items()) or 'nothing'}; "
+              f"parameters equal "
+              f"{'n/a' if v['failed'] else str(v['parameters_equal']) + '/' + str(v['parameters_compared'])}")
+        for i, transition in v["transitions"]:
+            print(f"  after iteration {i}: {transition}")
+        if v["failed"]:
+            f = v["failed"]
+            print(f"  FAILED in iteration {f['iteration']} ({f['stage']}): {f['error']}; the case stopped there, the "
+                  f"losses before it are compared, the final parameters are not")
+    k = r["checks"]
+    print(f"all bit-identical: {'yes' if k['all_bit_identical'] else 'NO'}; peak within capacity: "
+          f"{'yes' if k['peak_within_capacity'] else 'NO'}; every iteration completed: "
+          f"{'yes' if k['no_failure'] else 'NO'}")
+    print(f"wall time {r['wall_s']:.0f} s")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--iterations", type=int, default=40, help="iterations per case")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=128, help="sequence length of the moe case")
+    parser.add_argument("--experts", type=int, default=16, help="experts per MoE layer (moe case)")
+    parser.add_argument("--lengths", default="64,96,128", help="sequence lengths of the lengths case")
+    parser.add_argument("--length-every", type=int, default=3, help="lengths case: draw a new length this often")
+    parser.add_argument("--capacity-fraction", type=float, default=0.5, help="chameleon's capacity / unswapped peak")
+    parser.add_argument("--min-swap-kib", type=float, default=16, help="min_swap_bytes in KiB")
+    parser.add_argument("--policy-trials", type=int, default=None,
+                        help="profiler.policy_trials (default: the config's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: on a shared 2-core machine two threads stall each other)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--small", action="store_true", help="tiny models and few iterations (smoke test)")
+    parser.add_argument("--verbose", action="store_true", help="log one line per iteration")
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    args = parser.parse_args(argv)
+    if args.small:
+        args.layers, args.hidden, args.heads, args.batch, args.vocab, args.seq = 4, 8, 2, 4, 16, 32
+        args.experts, args.lengths, args.iterations, args.min_swap_kib = 8, "16,24,32", 12, 1
+        if args.policy_trials is None:
+            args.policy_trials = 2
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    args.lengths = [int(x) for x in str(args.lengths).split(",")]
+    if (not args.cases or set(args.cases) - set(CASES) or not 0 < args.capacity_fraction <= 1 or args.iterations < 1
+            or args.length_every < 1 or args.hidden % args.heads or min(args.lengths) < 1):
+        parser.error(f"need --cases from {', '.join(CASES)}, 0 < --capacity-fraction <= 1, --iterations >= 1, "
+                     "--length-every >= 1, positive --lengths and --hidden divisible by --heads")
+    args.min_swap_bytes = int(args.min_swap_kib * 1024)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        started = time.perf_counter()
+        results = {
+            **header("bench_dynamic.py", argv, torch),
+            "emulated": True,
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            **run(args),
+        }
+        finish(results, started)
+    finally:
+        torch.set_num_threads(threads_before)
+    print_report(results)
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    logging.basicConfig(format="%(message)s")
+    logger.setLevel(logging.INFO)
+    main()
