@@ -12,13 +12,17 @@ class IterationReport:
 
     ``stage`` is the stage the iteration ran in ("warmup", "gen_policy", "stable"). ``num_ops`` is the
     number of aten ops in its signature. Compared with the reference sequence (the one the policy is
-    built from), ``sequence_changed`` is the paper's test, the one that can trigger re-planning: among
-    autograd ops the length changed by at least ``profiler.length_change``, or the cosine similarity
-    fell below ``profiler.cosine_threshold``, or the bytes saved for backward changed by at least
-    ``profiler.length_change`` (in GenPolicy and Stable it sends the runtime back to WarmUp).
+    built from), ``sequence_change_kind`` classifies the difference (``profiler.signature.ChangeKind``:
+    "identical", "absorbed", "rerouted" (other ops on the same data: skipped experts), "rescaled" (the
+    same ops on other sizes: a sequence length or batch size change) or "changed"), and
+    ``sequence_changed`` is true for "changed", a new program: the op-pair profiles of the autograd ops
+    are less cosine-similar than ``profiler.cosine_threshold``, or the number of autograd ops and the
+    bytes saved for backward both changed by at least ``profiler.length_change`` (in GenPolicy and
+    Stable it sends the runtime back to WarmUp). ``sequence_cosine`` is that op-pair cosine.
     ``sequence_differs`` is true for any difference at all (an op, the order, an op outside autograd, a
-    saved size), also one the policy absorbs, such as an MoE expert that gets no token; it is reported
-    only. ``sequence_change_major`` is the older name of ``sequence_changed`` and always equals it.
+    saved size), also one the policy absorbs; it is reported only. ``sequence_change_major`` is the older
+    name of ``sequence_changed`` and always equals it. ``tightened_in_place`` says a Stable iteration went
+    over the memory budget within the capacity and the policy was made stricter without leaving Stable.
     ``stage_transition`` says what changed stage after this iteration, and why.
 
     After an out-of-memory retry inside ``run_iteration`` (``oom_retries`` > 0), the counters (swaps,
@@ -43,7 +47,7 @@ class IterationReport:
     iteration_s: float
     policy_version: int
     num_ops: int
-    sequence_changed: bool  # the paper's test failed: a new policy is needed (see above)
+    sequence_changed: bool  # a new program: a new policy is needed (see above)
     sequence_change_major: bool  # == sequence_changed (older name)
     sequence_cosine: float
     sequence_length_change: float  # relative, among ops inside autograd
@@ -60,6 +64,9 @@ class IterationReport:
     on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
     sequence_differs: bool = False  # any difference from the reference sequence, absorbed or not (see above)
     reused_original_bytes: int = 0  # restores that reused a still-alive device original (no copy, no new bytes)
+    sequence_change_kind: str = "identical"  # see above
+    skipped_entries: int = 0  # policy entries whose tensor this iteration did not save (an idle expert)
+    tightened_in_place: bool = False  # see above
     failed: bool = False  # the iteration raised (``error``): nothing after the failing op happened
     error: str = ""  # the exception's type and first line, for a failed iteration
 
@@ -79,6 +86,7 @@ class IterationReport:
             sequence_changed=comparison.changed,
             sequence_change_major=comparison.changed,  # older name, same value
             sequence_differs=comparison.differs,  # any difference, absorbed or not
+            sequence_change_kind=str(comparison.kind),
             sequence_cosine=comparison.cosine,
             sequence_length_change=comparison.length_change,
             saved_bytes_change=comparison.saved_bytes_change,

@@ -136,7 +136,7 @@ class Chameleon:
             self.device.live_bytes,
             self.device.emulated,
         )
-        self.controller = PolicyController(self._policy_settings())
+        self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes)
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._iteration = 0
         self._running: _Running | None = None
@@ -174,7 +174,7 @@ class Chameleon:
         if problem is not None:
             raise ConfigError([problem])
         self.executor.protect(model)
-        self.profiler.scope.watch(model)
+        self.profiler.watch(model)
         self._models.add(model)
         return model
 
@@ -213,6 +213,7 @@ class Chameleon:
                     context = IterationContext(
                         policy=policy, op_clock=lambda ids=observation.ids: len(ids), observer=observation.recorder,
                         hide_own_ops=self.profiler.scope.quiet, writes_reported=True,
+                        site_clock=self.profiler.site_clock(observation),
                     )
                     with self.executor.active(context) as running.counters:
                         yield
@@ -235,12 +236,17 @@ class Chameleon:
             iteration_s=iteration_s, stall_s=self.device.stall_s() - running.stall_start_s,
             attempt_stall_s=self.device.stall_s() - running.attempt_stall_start_s,
             passive_swaps=counters.passive_swaps, oom_retries=running.oom_retries,
-            profiled=observation.recorder is not None,
+            profiled=observation.recorder is not None, saved_bytes=sum(counters.saved_bytes),
         )
         over_budget = self.controller.record(outcome)
-        profile = self.profiler.conclude(observation, counters.saved_bytes, counters.passive_swaps, over_budget)
+        # passive swaps the controller absorbed (it scaled the policy to a new shape) restart nothing
+        passive_swaps = 0 if self.controller.absorbed_passive_swaps else counters.passive_swaps
+        profile = self.profiler.conclude(observation, counters.saved_bytes, passive_swaps, over_budget)
         self.controller.follow(profile.transition, outcome)
-        self.last_report = IterationReport.completed(self._iteration, iteration_s, profile, **self._measured_fields(running))
+        self.last_report = IterationReport.completed(
+            self._iteration, iteration_s, profile, tightened_in_place=self.controller.tightened_in_place,
+            **self._measured_fields(running),
+        )
         logger.debug("%s", self.last_report)
 
     def _policy_settings(self) -> PolicySettings:
@@ -416,6 +422,7 @@ class Chameleon:
             matched_exact=counters.matches.exact,
             matched_fuzzy=counters.matches.fuzzy,
             unmatched=counters.matches.unmatched,
+            skipped_entries=counters.matches.skipped,
             on_demand_fetches=counters.on_demand,
             reused_original_bytes=counters.reused_original_bytes,
         )

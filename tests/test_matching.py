@@ -18,40 +18,91 @@ def _entry(ordinal, shape, save_op, dtype="float32"):
     )
 
 
-def _policy(saved_shapes, swapped):
-    """``saved_shapes``: the traced iteration's saves by ordinal; ``swapped``: ordinals the policy swaps."""
+def _policy(saved_shapes, swapped, sites=None):
+    """``saved_shapes``: the traced iteration's saves by ordinal; ``swapped``: ordinals the policy swaps;
+    ``sites``: their save sites (None: a policy written before sites existed)."""
     entries = [_entry(k, saved_shapes[k], 10 * (k + 1)) for k in swapped]
     return Policy("p", 10**9, True, 0, 0, 0.0, 0.0, 0.0, 0.0, entries, [], 200, 1, {},
-                  save_keys=[save_key("float32", shape) for shape in saved_shapes])
+                  save_keys=[save_key("float32", shape) for shape in saved_shapes], save_sites=sites or [])
 
 
 SHAPES = [(4, 8), (4, 8), (16, 8), (4, 8), (2, 2)]
+SITES = ["0:0:aten.mm.default:float32:2", "0:0:aten.gelu.default:float32:2", "0:0:aten.mm.default:float32:2",
+         "0:1:aten.mm.default:float32:2", "0:1:aten.sum.default:float32:2"]
+
+
+def _saves(matcher, saves):
+    """The ordinal of the entry each (site, shape) save gets, or None."""
+    found = [matcher.match(torch.zeros(shape), site) for site, shape in saves]
+    return [e.save_ordinal if e else None for e in found]
 
 
 def test_an_aligned_sequence_matches_exactly_and_keeps_what_the_policy_keeps():
+    matcher = PolicyMatcher(_policy(SHAPES, swapped=[1, 2], sites=SITES))
+    assert _saves(matcher, zip(SITES, SHAPES)) == [None, 1, 2, None, None]
+    assert (matcher.counts.exact, matcher.counts.fuzzy, matcher.counts.unmatched, matcher.counts.skipped) == (2, 0, 0, 0)
+    matcher.reset()  # the next iteration (or retry) starts at the first save again
+    assert _saves(matcher, zip(SITES, SHAPES)) == [None, 1, 2, None, None]
+
+
+def test_other_shapes_at_the_same_sites_match_scaled():
+    """A longer sequence or another batch size: the same sites, other shapes."""
+    matcher = PolicyMatcher(_policy(SHAPES, swapped=[1, 2], sites=SITES))
+    longer = [(8, 8), (8, 8), (32, 8), (8, 8), (2, 2)]
+    assert _saves(matcher, zip(SITES, longer)) == [None, 1, 2, None, None]
+    assert (matcher.counts.exact, matcher.counts.fuzzy) == (0, 2)
+
+
+def test_a_save_the_iteration_does_not_make_skips_its_entry():
+    """An expert that got no token: its saves are missing, and what follows still matches."""
+    expert = ["0:1:aten.index.Tensor:float32:2", "0:1:aten.mm.default:float32:2", "0:1:aten.gelu.default:float32:2"]
+    sites = ["0:0:aten.mm.default:float32:2"] + expert * 3 + ["0:1:aten.index_add.default:float32:2"]
+    shapes = [(4, 8)] * len(sites)
+    matcher = PolicyMatcher(_policy(shapes, swapped=list(range(1, len(sites))), sites=sites))
+    # experts 0 and 2 ran; expert 1 got no token
+    run = [sites[0]] + expert + expert + [sites[-1]]
+    found = _saves(matcher, [(site, (3, 8)) for site in run])
+    # expert 2's saves take expert 1's entries (the same sites); expert 2's own entries are passed over
+    # at the index_add, which matches its own entry
+    assert found == [None, 1, 2, 3, 4, 5, 6, 10]
+    assert matcher.counts.skipped == 3 and matcher.counts.unmatched == 0
+
+
+def test_an_inserted_save_stays_on_the_device_and_the_rest_still_matches():
+    matcher = PolicyMatcher(_policy(SHAPES, swapped=[1, 2, 3], sites=SITES))
+    run = list(zip(SITES, SHAPES))
+    run.insert(2, ("0:0:aten.tanh.default:float32:2", (4, 8)))  # one extra op saved something
+    assert _saves(matcher, run) == [None, 1, None, 2, 3, None]
+    assert matcher.counts.unmatched == 1 and matcher.counts.skipped == 0
+
+
+def test_each_policy_save_matches_once():
+    matcher = PolicyMatcher(_policy(SHAPES, swapped=[0, 2], sites=SITES))
+    mm = "0:0:aten.mm.default:float32:2"
+    assert _saves(matcher, [(mm, (4, 8)), (mm, (4, 8)), (mm, (4, 8))]) == [0, 2, None]
+    assert matcher.counts.unmatched == 1
+
+
+def test_other_micro_batch_layer_dtype_or_rank_is_another_site():
+    matcher = PolicyMatcher(_policy(SHAPES, swapped=[0], sites=SITES))
+    for site in ("1:0:aten.mm.default:float32:2", "0:3:aten.mm.default:float32:2",
+                 "0:0:aten.mm.default:float64:2", "0:0:aten.mm.default:float32:3"):
+        assert matcher.match(torch.zeros(4, 8), site) is None
+    assert matcher.counts.unmatched == 4
+
+
+def test_the_search_stops_at_the_window():
+    sites = ["0:0:aten.add.Tensor:float32:2"] * 10 + ["0:0:aten.mm.default:float32:2"]
+    matcher = PolicyMatcher(_policy([(4, 8)] * 11, swapped=[10], sites=sites), window=5)
+    assert matcher.match(torch.zeros(4, 8), sites[-1]) is None
+    wide = PolicyMatcher(_policy([(4, 8)] * 11, swapped=[10], sites=sites), window=10)
+    assert wide.match(torch.zeros(4, 8), sites[-1]).save_ordinal == 10
+
+
+def test_a_policy_without_sites_matches_on_shapes_alone():
+    """Policy files written before sites existed: only the traced shapes match, in order."""
     matcher = PolicyMatcher(_policy(SHAPES, swapped=[1, 2]))
-    found = [matcher.match(k, torch.zeros(shape), 10 * (k + 1)) for k, shape in enumerate(SHAPES)]
-    assert [e.save_ordinal if e else None for e in found] == [None, 1, 2, None, None]
-    assert (matcher.counts.exact, matcher.counts.fuzzy, matcher.counts.unmatched) == (2, 0, 0)
-
-
-def test_a_shifted_sequence_matches_the_one_nearest_similar_entry():
-    matcher = PolicyMatcher(_policy(SHAPES, swapped=[2]))
-    # one extra save before it (ordinal 3 instead of 2) and 12.5% more bytes: still the entry of ordinal 2
-    entry = matcher.match(3, torch.zeros(16, 9), 31)
-    assert entry is not None and entry.save_ordinal == 2 and matcher.counts.fuzzy == 1
-    assert matcher.match(3, torch.zeros(16, 9), 31) is None  # an entry is used once
-
-
-def test_no_confident_match_keeps_the_tensor_on_the_device():
-    matcher = PolicyMatcher(_policy(SHAPES, swapped=[0, 1]))
-    assert matcher.match(5, torch.zeros(4, 8), 60) is None  # saved far later in the op sequence than 0 and 1
-    assert matcher.match(2, torch.zeros(64, 64), 30) is None  # nothing of that size nearby
-    assert matcher.match(2, torch.zeros(4, 8, dtype=torch.float64), 30) is None  # other dtype
-    assert matcher.counts.exact == matcher.counts.fuzzy == 0 and matcher.counts.unmatched == 3
-
-
-def test_two_equally_near_candidates_are_ambiguous():
-    shapes = [(4, 8), (2, 2), (4, 8)]
-    matcher = PolicyMatcher(_policy(shapes, swapped=[0, 2]))
-    assert matcher.match(1, torch.zeros(4, 8), 20) is None  # entries 0 and 2 are both one ordinal away
+    assert not matcher.by_site
+    assert _saves(matcher, [("", shape) for shape in SHAPES]) == [None, 1, 2, None, None]
+    other = PolicyMatcher(_policy(SHAPES, swapped=[2]))
+    assert other.match(torch.zeros(16, 9), "") is None and other.counts.unmatched == 1

@@ -1,11 +1,21 @@
 """``PolicyController``: its decisions follow typed causes, never the words of a message."""
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from chameleon_dist.policy.inputs import PolicySettings
-from chameleon_dist.policy.model import Policy
-from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
+from chameleon_dist.policy.model import Decision, Policy
+from chameleon_dist.policy.scaling import grown
+from chameleon_dist.policy.selection import (
+    MAX_IN_PLACE_TIGHTENINGS,
+    IterationOutcome,
+    PolicyController,
+    RetryAction,
+)
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+from chameleon_dist.trace.step_trace import StepTrace
 
 MIB = 2**20
 
@@ -118,3 +128,106 @@ def test_the_profiled_iterations_stall_is_kept_for_the_next_generation():
     assert dict(controller.trace_stall_s) == {4: 0.25}
     with pytest.raises(TypeError):
         controller.trace_stall_s[5] = 1.0  # read-only
+
+
+# ---- Stable survives jitter; new shapes are scaled for first (issue 12) ----------------------------------
+DATA = Path(__file__).resolve().parent / "data"
+JOB_BUDGET = 80 * MIB
+
+
+def _stable_on_the_job_trace(capacity_bytes: int | None, trial_peaks_mib=(70, 76, 78)) -> tuple[PolicyController, Policy]:
+    """A controller that generated policies from the main job's trace, tried some and chose one."""
+    trace = StepTrace.load(DATA / "job_trace.json")
+    settings = PolicySettings(budget_bytes=JOB_BUDGET, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, min_swap_bytes=MIB)
+    controller = PolicyController(settings, capacity_bytes=capacity_bytes)
+    warmup = IterationOutcome(iteration=trace.iteration, stage=Stage.WARMUP, policy=None, peak_bytes=JOB_BUDGET,
+                              iteration_s=trace.iteration_s, stall_s=0.0, attempt_stall_s=0.0, passive_swaps=0,
+                              oom_retries=0, profiled=True, saved_bytes=100 * MIB)
+    controller.record(warmup)
+    controller.follow(Transition(Stage.WARMUP, Stage.GEN_POLICY, TransitionCause.PROFILED, ""), warmup)
+    assert controller.policy_for(Stage.GEN_POLICY, trace, MIB) is not None  # generates
+    controller.results = []
+    for peak_mib in trial_peaks_mib:
+        policy = controller.policy_for(Stage.GEN_POLICY, trace, MIB)
+        assert policy is not None and policy.feasible
+        controller.record(dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, peak_mib), saved_bytes=100 * MIB))
+    if trial_peaks_mib:
+        controller.follow(Transition(Stage.GEN_POLICY, Stage.STABLE, TransitionCause.TRIALS_DONE, ""), warmup)
+        assert controller.chosen is not None
+    return controller, controller.chosen
+
+
+def _stable(policy: Policy, peak_bytes: int, passive_swaps: int = 0, saved_mib: int = 100) -> IterationOutcome:
+    return IterationOutcome(iteration=20, stage=Stage.STABLE, policy=policy, peak_bytes=peak_bytes, iteration_s=0.1,
+                            stall_s=0.0, attempt_stall_s=0.0, passive_swaps=passive_swaps, oom_retries=0,
+                            profiled=False, saved_bytes=saved_mib * MIB)
+
+
+def test_the_chosen_policy_keeps_headroom_for_the_trials_peak_variation():
+    """Two trials held; the faster one peaked just under the budget, the slower one well under it. The
+    trials' peak errors spread by 3 MiB: only the slower one has that much room, and it is chosen."""
+    controller, _ = _stable_on_the_job_trace(capacity_bytes=None, trial_peaks_mib=())
+    fast, slow = controller.candidates[:2]
+    controller.results = []
+    for policy, peak_bytes, seconds in ((fast, JOB_BUDGET - MIB // 4, 0.1),
+                                        (slow, slow.predicted_peak_bytes + 3 * MIB, 0.2)):
+        outcome = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_bytes=peak_bytes, iteration_s=seconds)
+        controller.record(outcome)
+    errors = [r.peak_bytes - r.policy.predicted_peak_bytes for r in controller.results]
+    assert all(r.held for r in controller.results)
+    controller.follow(Transition(Stage.GEN_POLICY, Stage.STABLE, TransitionCause.TRIALS_DONE, ""), outcome)
+    assert controller.headroom_bytes == max(errors) - min(errors)
+    assert slow.predicted_peak_bytes + 3 * MIB + controller.headroom_bytes <= JOB_BUDGET
+    assert controller.chosen is slow, "the faster trial had no headroom"
+
+
+def test_a_stable_overshoot_within_the_capacity_tightens_in_place_until_it_repeats_too_often():
+    controller, chosen = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + 8 * MIB)
+    version, reserve = controller.version, controller.reserve_bytes
+    policy = chosen
+    for k in range(MAX_IN_PLACE_TIGHTENINGS):
+        assert controller.record(_stable(policy, JOB_BUDGET + MIB)) == "", "absorbed: Stable goes on"
+        assert controller.tightened_in_place and controller.version == version + k + 1
+        assert controller.chosen is not policy and controller.chosen.feasible
+        assert controller.reserve_bytes >= reserve + (2**k) * MIB, "the shortfall is added to the reduction"
+        policy, reserve = controller.chosen, controller.reserve_bytes
+    reason = controller.record(_stable(policy, JOB_BUDGET + MIB))
+    assert "above memory_budget" in reason and not controller.tightened_in_place, "repeated overshoot: profile again"
+
+
+def test_a_stable_overshoot_above_the_capacity_or_with_a_passive_swap_is_not_absorbed():
+    controller, chosen = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + MIB // 2)
+    assert "above memory_budget" in controller.record(_stable(chosen, JOB_BUDGET + MIB))
+    controller, chosen = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + 8 * MIB)
+    assert "above memory_budget" in controller.record(_stable(chosen, JOB_BUDGET + MIB, passive_swaps=1))
+    assert controller.chosen is chosen and not controller.absorbed_passive_swaps
+
+
+def test_a_new_larger_shape_is_scaled_for_before_profiling_again():
+    controller, chosen = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + 8 * MIB)
+    # the same saved bytes: a passive swap is the policy's failure, and the runtime profiles again
+    assert controller.record(_stable(chosen, JOB_BUDGET, passive_swaps=2)) == ""
+    assert not controller.absorbed_passive_swaps and controller.chosen is chosen
+    # 30% more saved bytes (a longer sequence): a policy from the trace grown alike, at once
+    assert controller.record(_stable(chosen, JOB_BUDGET, passive_swaps=2, saved_mib=130)) == ""
+    assert controller.absorbed_passive_swaps and controller.chosen is not chosen
+    scaled = controller.chosen
+    assert scaled.saved_bytes(Decision.SWAP) > chosen.saved_bytes(Decision.SWAP), "more leaves the device"
+    # it failed on that shape too: now the runtime profiles again
+    assert controller.record(_stable(scaled, JOB_BUDGET, passive_swaps=1, saved_mib=130)) == ""
+    assert not controller.absorbed_passive_swaps
+
+
+def test_a_grown_trace_grows_what_the_iteration_allocated_and_nothing_else():
+    trace = StepTrace.load(DATA / "job_trace.json")
+    bigger = grown(trace, 1.5)
+    assert bigger.start_live_bytes == trace.start_live_bytes
+    for before, after in zip(trace.storages, bigger.storages):
+        if before.is_parameter or before.created_at < 0 or before.freed_at < 0:
+            assert after.nbytes == before.nbytes
+        else:
+            assert after.nbytes == round(before.nbytes * 1.5)
+    base, more = trace.no_swap_memory_curve(), bigger.no_swap_memory_curve()
+    assert max(more) > max(base) and all(m >= b for m, b in zip(more, base))
+    assert max(more) - trace.start_live_bytes <= 1.5 * (max(base) - trace.start_live_bytes) + 1
+    assert grown(trace, 1.0) is trace

@@ -6,7 +6,7 @@ import torch
 from chameleon_dist.profiler import OpVocabulary, Signature, SignatureMode, StageMachine, compare
 from chameleon_dist.trace.stages import Stage
 
-from chameleon_dist.profiler.signature import cosine_similarity
+from chameleon_dist.profiler.signature import ChangeKind, cosine_similarity, pair_profile_cosine
 
 
 def _record(fn):
@@ -52,25 +52,65 @@ def test_ops_outside_autograd_flag_a_change_but_need_no_new_policy():
     assert "absorbed" in comparison.reason
 
 
-def test_length_change_at_the_threshold_is_major():
-    comparison = compare(_sig(list(range(100)) * 2 + list(range(10))), _sig(list(range(100)) * 2), 0.05, 0.95)
+def test_more_ops_and_more_saved_bytes_is_a_new_program():
+    """An added branch or another micro-batch: more work on more data."""
+    reference = _sig(list(range(100)) * 2, [100] * 20)
+    comparison = compare(_sig(list(range(100)) * 2 + list(range(10)), [100] * 21), reference, 0.05, 0.95)
     assert comparison.length_change == pytest.approx(0.05) and comparison.changed and comparison.major
-    small = compare(_sig(list(range(100)) * 2 + [1, 2]), _sig(list(range(100)) * 2), 0.05, 0.95)
-    assert small.differs and not small.changed
+    assert comparison.kind == ChangeKind.CHANGED and "profiler.length_change" in comparison.reason
+    small = compare(_sig(list(range(100)) * 2 + [1, 2], [100] * 20), reference, 0.05, 0.95)
+    assert small.differs and not small.changed and small.kind == ChangeKind.ABSORBED
 
 
-def test_reordered_sequence_fails_the_cosine_test():
+def test_more_ops_on_the_same_data_is_rerouting():
+    """Experts that got no token skip their ops; the tokens (hence the saved bytes) stay."""
+    expert = list(range(10, 20))
+    reference = _sig(list(range(10)) + expert * 16 + list(range(20, 30)), [64] * 32)
+    fewer = _sig(list(range(10)) + expert * 13 + list(range(20, 30)), [64] * 26 + [128] * 3)
+    comparison = compare(fewer, reference, 0.05, 0.95)
+    assert comparison.length_change > 0.05 and comparison.saved_bytes_change == 0
+    assert comparison.kind == ChangeKind.REROUTED and not comparison.changed
+
+
+def test_a_skipped_block_early_in_the_sequence_keeps_the_pair_profile():
+    """The paper's positional cosine drops when a deletion shifts every later op; the pair profile does not."""
+    block = list(range(5, 45))
+    reference = list(range(5)) + block * 32 + list(range(50, 90))
+    skipped = list(range(5)) + block * 31 + list(range(50, 90))
+    a, b = torch.tensor(skipped), torch.tensor(reference)
+    assert cosine_similarity(a, b) < 0.95
+    comparison = compare(_sig(skipped, [8]), _sig(reference, [8]), 0.05, 0.95)
+    assert comparison.cosine > 0.99 and not comparison.changed and comparison.kind == ChangeKind.ABSORBED
+
+
+def test_one_inserted_op_is_absorbed():
+    reference = list(range(200))
+    inserted = reference[:20] + [7] + reference[20:]
+    comparison = compare(_sig(inserted, [8]), _sig(reference, [8]), 0.05, 0.95)
+    assert comparison.differs and comparison.kind == ChangeKind.ABSORBED
+
+
+def test_reversed_sequence_fails_the_cosine_test():
     reference = list(range(1, 200))
-    shuffled = reference[100:] + reference[:100]
-    comparison = compare(_sig(shuffled), _sig(reference), 0.05, 0.95)
+    comparison = compare(_sig(reference[::-1]), _sig(reference), 0.05, 0.95)
     assert comparison.length_change == 0 and comparison.cosine < 0.95 and comparison.major
+    assert "profiler.cosine_threshold" in comparison.reason
 
 
-def test_saved_bytes_change_is_major_even_with_the_same_ops():
+def test_saved_bytes_change_with_the_same_ops_is_a_rescale():
     comparison = compare(_sig(range(100), [1000] * 10), _sig(range(100), [500] * 10), 0.05, 0.95)
-    assert comparison.major and "saved for backward" in comparison.reason
+    assert comparison.kind == ChangeKind.RESCALED and not comparison.changed
+    assert "saved for backward" in comparison.reason
     minor = compare(_sig(range(100), [1000, 1010]), _sig(range(100), [1010, 1000]), 0.05, 0.95)
-    assert minor.differs and not minor.changed
+    assert minor.differs and not minor.changed and minor.kind == ChangeKind.ABSORBED
+
+
+def test_pair_profile_cosine_edges():
+    empty = torch.tensor([], dtype=torch.int64)
+    assert pair_profile_cosine(empty, empty) == 1.0
+    assert pair_profile_cosine(empty, torch.tensor([1])) == 0.0
+    assert pair_profile_cosine(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2])) == pytest.approx(1.0)
+    assert pair_profile_cosine(torch.tensor([0, 1]), torch.tensor([1, 0])) == 0.0
 
 
 def test_cosine_pads_the_shorter_sequence():

@@ -17,10 +17,14 @@ def _unknown_op_count() -> int:
     return -1
 
 
+def _unknown_site() -> str:
+    return "?"
+
+
 class SwapObserver(Protocol):
     """What the detailed profiler wants to hear from the executor (profiling iterations only)."""
 
-    def on_saved(self, tensor: torch.Tensor) -> None: ...
+    def on_saved(self, tensor: torch.Tensor, site: str = "") -> None: ...
 
     def on_swap_out(self, storage: torch.UntypedStorage) -> int: ...
 
@@ -37,7 +41,7 @@ class IterationContext:
     """Everything the executor needs from its caller for one iteration (``SwapExecutor.active``).
 
     Args:
-        policy: what to swap (see NOTE [Save-ordinal matching] in ``executor/matching.py``); None swaps
+        policy: what to swap (see NOTE [Save-site matching] in ``executor/matching.py``); None swaps
             every eligible tensor of at least ``min_swap_bytes`` (the paper's WarmUp behaviour).
         op_clock: the number of ops the iteration has run so far; planned swap-ins fire on it. The
             default (-1, unknown) fires them at the first unpack of backward.
@@ -47,6 +51,8 @@ class IterationContext:
         writes_reported: True when the caller's dispatch mode already reports in-place writes to
             ``SwapExecutor.note_writes`` (the runtime's profiler does); else the executor watches for them
             with a dispatch mode of its own.
+        site_clock: where the iteration is now ("layer:last op"), part of every save's site (NOTE
+            [Save-site matching] in ``executor/matching.py``). The default knows neither.
     """
 
     policy: Policy | None = None
@@ -54,6 +60,7 @@ class IterationContext:
     observer: SwapObserver | None = None
     hide_own_ops: Callable[[], ContextManager[None]] = contextlib.nullcontext
     writes_reported: bool = False
+    site_clock: Callable[[], str] = _unknown_site
 
 
 @dataclasses.dataclass

@@ -1,101 +1,116 @@
 """Finding a policy entry for a tensor autograd saves, without stable tensor identities.
 
-Eager tensors get new identities every iteration; what repeats is the order in which autograd saves them.
-``PolicyMatcher`` finds a saved storage's entry by its save ordinal, exactly where the sequence is aligned
-and fuzzily nearby where it has shifted. See NOTE [Save-ordinal matching] below for the rule.
+Eager tensors get new identities every iteration; what repeats is where autograd saves them: in which
+micro-batch and layer, after which op, of which dtype and rank, and in which order. ``PolicyMatcher``
+follows the iteration's saves along the policy's saves in that order (an alignment that skips what one
+side lacks). See NOTE [Save-site matching] below for the rule.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
 
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry, save_key
 
-# NOTE [Save-ordinal matching]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A saved tensor has no identity that survives the iteration, so a policy entry names it by its *save
-# ordinal*: the position of its storage among the distinct storages autograd saved in the iteration, in
-# first-save order. Every saved storage counts (parameters and storages the policy keeps included); a
-# second view of a storage already numbered takes that storage's number and adds none. Both sides number
-# the same way:
+# NOTE [Save-site matching]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# A saved tensor has no identity that survives the iteration, so both sides describe every saved storage
+# (the first save of each distinct storage, in first-save order: its *save ordinal*; a second view of a
+# storage already numbered adds none) by its *site*:
 #
-# - the generator (policy/assemble.py) numbers the storages of ``StepTrace.saves`` and writes
-#   ``PolicyEntry.save_ordinal`` per entry and ``Policy.save_keys`` ("dtype[shape]" per ordinal, KEEPs
-#   included) so that the executor can tell an aligned sequence from a shifted one;
-# - the executor (executor/swap.py) numbers the storages it packs, starting over at every iteration and
-#   every out-of-memory retry, and asks ``PolicyMatcher.match`` with that ordinal and its op count.
+#     "<micro-batch>:<layer>:<last op>:<dtype>:<rank>"
 #
-# A match is
+# - micro-batch: how many times a forward save followed a backward pass in this iteration (the executor
+#   counts it: a save outside backward after an unpack starts the next micro-batch);
+# - layer: the transformer layer running (``layers.<i>`` and the like; -1 outside any), from hooks on the
+#   layer modules (``profiler.scope.LayerClock``);
+# - last op: the aten op recorded last before the save. For an op's outputs that is the op itself; for its
+#   inputs it is the op before it, because autograd saves inputs before the op reaches the dispatcher.
+#   For the same reason the argument position (``PolicyEntry.arg_position``) cannot be known at run time
+#   and is not part of the site: the order of saves within a site stands in for it;
+# - dtype and rank: not the shape, so that one policy serves every sequence length, batch size and expert
+#   load (the tensor actually saved is what moves; its size is not the traced one).
 #
-# - **exact** when the traced iteration saved a storage of the same dtype and shape at this ordinal (the
-#   sequence is aligned here): the entry at that ordinal, or nothing when the policy keeps it;
-# - **fuzzy** otherwise: among the unused entries within ``window`` ordinals, those with the same dtype and
-#   number of dimensions, saved-view bytes within ``bytes_tolerance`` and a save op count within
-#   ``op_tolerance`` (both relative) of the entry's; the nearest ordinal wins, and only when it is unique at
-#   that distance (two equally near: ambiguous, not confident).
+# The generator (policy/assemble.py) writes ``Policy.save_sites`` (from ``StepTrace.save_sites``, which the
+# executor reported while the trace was recorded) and ``Policy.save_keys`` ("dtype[shape]") per ordinal,
+# KEEPs included. At run time ``PolicyMatcher.match`` keeps a cursor into the policy's saves:
 #
-# Each entry is used at most once per attempt. Everything else stays on the device (counted as unmatched
-# when it falls inside the range the policy covers). A wrong match never corrupts data: swapping is exact
-# for any tensor; it can only cost memory or time.
+# 1. the policy ordinal at the cursor with the same site is the match (the sequences are aligned);
+# 2. else the nearest ordinal after the cursor, within ``window``, with the same site: the policy ordinals
+#    passed over are saves this iteration does not make (an expert that got no token), and their
+#    entries do not fire (``MatchCounts.skipped``);
+# 3. else nothing: a save the policy does not know (an inserted op, an extra expert) stays on the device
+#    (``MatchCounts.unmatched``), and the cursor stays where it was.
+#
+# A match is *exact* when the shape is also the traced one, *fuzzy* (scaled) when only the site is.
+# The policy entry at the matched ordinal decides (none: the policy keeps it). Each ordinal is matched at
+# most once per attempt, and the cursor starts over with every iteration and out-of-memory retry. A policy
+# without sites (written before they existed, or built from a trace without them) is matched the same way
+# on its ``save_keys``, so that only the same shapes match.
+#
+# A wrong match never corrupts data: swapping copies any tensor byte for byte and restores it with its
+# own shape and strides, so a tensor swapped in another's place comes back intact. It can only cost memory
+# (a tensor kept that the plan would have moved) or time (a tensor moved that the plan would have kept, or
+# brought back at another tensor's trigger), and the controller watches both: a peak over the budget
+# tightens the policy, a passive swap makes the runtime profile again.
+
+DEFAULT_WINDOW = 512
+"""How many policy saves past the cursor a save may skip to find its site (an MoE layer whose experts all
+stayed idle skips one expert's saves per expert)."""
 
 
 @dataclasses.dataclass
 class MatchCounts:
     exact: int = 0
-    fuzzy: int = 0
-    unmatched: int = 0  # saved storages the policy covers nowhere near (kept on the device)
+    fuzzy: int = 0  # matched on the site with another shape (a rescaled or rerouted tensor)
+    unmatched: int = 0  # saved storages whose site the policy has nowhere near (kept on the device)
+    skipped: int = 0  # policy entries whose save this iteration did not make (passed over)
 
 
 class PolicyMatcher:
-    def __init__(self, policy: Policy, window: int = 8, bytes_tolerance: float = 0.5, op_tolerance: float = 0.25) -> None:
+    def __init__(self, policy: Policy, window: int = DEFAULT_WINDOW) -> None:
         self.policy = policy
         # recompute decisions are carried out as swaps (the executor has no recompute path yet)
         self._by_ordinal: dict[int, PolicyEntry] = {
             e.save_ordinal: e for e in policy.entries if e.decision in (Decision.SWAP, Decision.RECOMPUTE)
         }
+        self._entry_ordinals = sorted(self._by_ordinal)
+        sites = policy.save_sites
+        self.by_site = bool(sites) and len(sites) == len(policy.save_keys) and all(sites)
+        self._symbols: list[str] = list(sites) if self.by_site else list(policy.save_keys)
         self._window = window
-        self._bytes_tolerance = bytes_tolerance
-        self._op_tolerance = op_tolerance
-        self._used: set[int] = set()
+        self._cursor = 0
         self.counts = MatchCounts()
-        self._max_ordinal = max(self._by_ordinal, default=-1)
 
     def reset(self) -> None:
-        self._used.clear()
+        self._cursor = 0
         self.counts = MatchCounts()
 
-    def match(self, ordinal: int, tensor: torch.Tensor, op_count: int) -> PolicyEntry | None:
-        """The entry for the storage saved at ``ordinal`` after ``op_count`` ops (-1: unknown), or None to
-        keep it on the device. Enforces NOTE [Save-ordinal matching]."""
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        keys = self.policy.save_keys
-        if ordinal < len(keys) and keys[ordinal] == save_key(dtype, tensor.shape):
-            entry = self._by_ordinal.get(ordinal)
-            if entry is None or ordinal in self._used:
-                return None
-            self._used.add(ordinal)
-            self.counts.exact += 1
-            return entry
-        nbytes = tensor.numel() * tensor.element_size()
-        for distance in range(0, self._window + 1):
-            found = []
-            for k in {ordinal - distance, ordinal + distance}:
-                e = self._by_ordinal.get(k)
-                if e is None or k in self._used or e.dtype != dtype or len(e.shape) != tensor.dim():
-                    continue
-                if abs(e.tensor_nbytes - nbytes) > self._bytes_tolerance * max(e.tensor_nbytes, 1):
-                    continue
-                if op_count >= 0 and abs(e.save_op_index - op_count) > self._op_tolerance * max(e.save_op_index, 1):
-                    continue
-                found.append(k)
-            if len(found) == 1:
-                self._used.add(found[0])
-                self.counts.fuzzy += 1
-                return self._by_ordinal[found[0]]
-            if len(found) > 1:
-                break  # ambiguous: not confident
-        if self._by_ordinal and ordinal <= self._max_ordinal + self._window:
+    def match(self, tensor: torch.Tensor, site: str) -> PolicyEntry | None:
+        """The entry for a storage saved first now at ``site``, or None to keep it on the device. Enforces
+        NOTE [Save-site matching]."""
+        key = save_key(str(tensor.dtype).removeprefix("torch."), tensor.shape)
+        symbols, start = self._symbols, self._cursor
+        symbol = site if self.by_site else key
+        stop = min(len(symbols), start + self._window + 1)
+        for ordinal in range(start, stop):
+            if symbols[ordinal] == symbol:
+                break
+        else:
             self.counts.unmatched += 1
-        return None
+            return None
+        self.counts.skipped += bisect.bisect_left(self._entry_ordinals, ordinal) - bisect.bisect_left(
+            self._entry_ordinals, start
+        )
+        self._cursor = ordinal + 1
+        entry = self._by_ordinal.get(ordinal)
+        if entry is None:
+            return None
+        if self.policy.save_keys[ordinal] == key:
+            self.counts.exact += 1
+        else:
+            self.counts.fuzzy += 1
+        return entry

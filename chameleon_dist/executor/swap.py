@@ -4,10 +4,11 @@ Without a policy, every saved activation whose storage holds at least ``min_swap
 asynchronously when autograd saves it and comes back when backward needs it, with the next
 ``prefetch_depth`` swapped storages (in reverse save order, the order backward usually needs them)
 brought back ahead of time. With a policy (``IterationContext.policy``), only the saved storages the
-policy matches leave the device (see NOTE [Save-ordinal matching] in ``matching.py``); each comes back when
-the iteration's op count reaches its planned swap-in trigger (checked whenever autograd unpacks a saved
-tensor), shifted by how far the sequence had moved at its save; one needed before its prefetch started is
-fetched on demand and counted. Under memory pressure the executor first lets in-flight swap-outs land,
+policy matches leave the device (see NOTE [Save-site matching] in ``matching.py``: a policy made for one
+sequence length, batch size or expert load applies to another); each comes back when the iteration's op
+count reaches its planned swap-in trigger (checked whenever autograd unpacks a saved tensor), shifted by
+how far the sequence had moved at its save; one needed before its prefetch started is fetched on demand
+and counted. Under memory pressure the executor first lets in-flight swap-outs land,
 then swaps out idle kept tensors synchronously (passive swap).
 
 Never swapped: parameters and views of parameters, tensors that are not plain dense device tensors, and
@@ -99,8 +100,9 @@ class SwapExecutor:
         self._swapped_since_release = False
         self._context = _IDLE  # what the caller gave ``active`` for the current iteration
         self._matcher: PolicyMatcher | None = None
-        self._ordinals: dict[int, tuple[int, weakref.ReferenceType]] = {}
-        self._next_ordinal = 0
+        self._saved_storages: dict[int, weakref.ReferenceType] = {}  # storage key -> the storage
+        self._micro_batch = 0  # of the save sites (NOTE [Save-site matching] in ``matching.py``)
+        self._unpacked = False  # backward unpacked a saved tensor since the last forward save
         self._triggers: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
 
@@ -211,8 +213,9 @@ class SwapExecutor:
         self._by_storage.clear()
         self._watched.clear()
         self._order.clear()
-        self._ordinals.clear()
-        self._next_ordinal = 0
+        self._saved_storages.clear()
+        self._micro_batch = 0
+        self._unpacked = False
         self._triggers.clear()
         self._kept.clear()
 
@@ -239,24 +242,29 @@ class SwapExecutor:
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
+        if self._unpacked and torch._C._current_graph_task_id() == -1:
+            self._micro_batch += 1  # a forward save after a backward pass: the next micro-batch
+            self._unpacked = False
+        storage = tensor.untyped_storage()
+        seen = self._seen_before(storage)
+        site = "" if seen else self._site(tensor)
         if self._context.observer is not None:
-            self._context.observer.on_saved(tensor)
+            self._context.observer.on_saved(tensor, site)
         if self._matcher is not None:
             self.device.release_completed_sources()  # (NOTE [Release after copy] in device/base.py)
-        ordinal, seen = self._ordinal_of(tensor.untyped_storage())
         entry = None
         if self._eligible(tensor):
             if self._matcher is None:
                 entry = self._entry_for(tensor)
             elif seen:  # another view of a storage already decided: swapped (shares its copy) or kept
-                if self._by_storage.get(storage_key(tensor.untyped_storage())) is not None:
+                if self._by_storage.get(storage_key(storage)) is not None:
                     entry = self._entry_for(tensor)
             else:
-                op_count = self._context.op_clock()
-                planned = self._matcher.match(ordinal, tensor, op_count)
+                planned = self._matcher.match(tensor, site)
                 if planned is not None:
                     entry = self._entry_for(tensor)
                     if entry is not None and not entry.planned:  # schedule its prefetch (shifted like the save)
+                        op_count = self._context.op_clock()
                         shift = op_count - planned.save_op_index if op_count >= 0 else 0
                         trigger = planned.swap_in_at + shift
                         heapq.heappush(self._triggers, (trigger, entry.position, weakref.ref(entry)))
@@ -268,17 +276,20 @@ class SwapExecutor:
             self._kept.append(weakref.ref(kept))  # a passive swap may take it later
         return kept
 
-    def _ordinal_of(self, storage: torch.UntypedStorage) -> tuple[int, bool]:
-        """Save ordinal of a storage in this attempt (NOTE [Save-ordinal matching] in ``matching.py``), and
-        whether it was saved before (addresses of dead storages get reused: checked)."""
+    def _site(self, tensor: torch.Tensor) -> str:
+        """NOTE [Save-site matching] in ``matching.py``."""
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return f"{self._micro_batch}:{self._context.site_clock()}:{dtype}:{tensor.dim()}"
+
+    def _seen_before(self, storage: torch.UntypedStorage) -> bool:
+        """Whether a storage was saved before in this attempt; a new one takes the next save ordinal (NOTE
+        [Save-site matching] in ``matching.py``). Addresses of dead storages get reused: checked."""
         key = storage_key(storage)
-        known = self._ordinals.get(key)
-        if known is not None and known[1]() is storage:
-            return known[0], True
-        ordinal = self._next_ordinal
-        self._next_ordinal += 1
-        self._ordinals[key] = (ordinal, weakref.ref(storage))
-        return ordinal, False
+        known = self._saved_storages.get(key)
+        if known is not None and known() is storage:
+            return True
+        self._saved_storages[key] = weakref.ref(storage)
+        return False
 
     def _entry_for(self, tensor: torch.Tensor) -> SwapEntry | None:
         storage = tensor.untyped_storage()
@@ -313,6 +324,7 @@ class SwapExecutor:
             return self._unpack_quietly(packed)
 
     def _unpack_quietly(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
+        self._unpacked = True
         if self._triggers:
             self._fire_triggers(self._context.op_clock())
         if isinstance(packed, KeptTensor):

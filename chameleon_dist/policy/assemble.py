@@ -33,8 +33,9 @@ from chameleon_dist.units import format_bytes
 class _SaveOrder:
     """Where each saved storage of the traced iteration stands in the save order."""
 
-    save_ordinal: dict[int, int]  # storage id -> See NOTE [Save-ordinal matching] in executor/matching.py
+    save_ordinal: dict[int, int]  # storage id -> See NOTE [Save-site matching] in executor/matching.py
     save_keys: list[str]  # "dtype[shape]" by save ordinal
+    save_sites: list[str]  # the executor's site by save ordinal ("" where the trace has none)
     layer_save_ordinal: dict[int, int]  # storage id -> ordinal among the saves of its (micro-batch, layer)
 
 
@@ -76,19 +77,23 @@ def to_policy(
         settings={"score_c": variant.size_weight, "margin": variant.recorded_margin, "reserve_bytes": s.reserve_bytes,
                   "allow_recompute": variant.allow_recompute, "min_swap_bytes": s.min_swap_bytes,
                   "d2h_bytes_per_s": s.d2h_bytes_per_s, "h2d_bytes_per_s": s.h2d_bytes_per_s},
-        save_keys=order.save_keys, host_kept_bytes=host_kept_bytes, reason=reason, infeasibility=infeasibility,
+        save_keys=order.save_keys, save_sites=order.save_sites if all(order.save_sites) else [],
+        host_kept_bytes=host_kept_bytes, reason=reason, infeasibility=infeasibility,
         emulated=trace.emulated,
     )
 
 
 def _save_order(ctx: Context) -> _SaveOrder:
     trace = ctx.trace
-    order = _SaveOrder({}, [], {})
-    for tensor_id, _ in trace.saves or [(t.tensor_id, -1) for t in trace.tensors if t.saved]:
+    order = _SaveOrder({}, [], [], {})
+    saves = trace.saves or [(t.tensor_id, -1) for t in trace.tensors if t.saved]
+    sites = trace.save_sites if len(trace.save_sites) == len(saves) else [""] * len(saves)
+    for (tensor_id, _), site in zip(saves, sites):
         record = trace.tensors[tensor_id]
         if record.storage_id not in order.save_ordinal:
             order.save_ordinal[record.storage_id] = len(order.save_ordinal)
             order.save_keys.append(save_key(record.dtype, record.shape))
+            order.save_sites.append(site)
     per_layer_count: dict[tuple[int, int], int] = {}
     for storage_id in order.save_ordinal:  # in save order
         group = ctx.groups[int(ctx.group_of[max(0, trace.storages[storage_id].created_at)])]

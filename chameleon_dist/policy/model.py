@@ -1,10 +1,12 @@
 """The ``Policy``: what to do with each saved tensor, where to find it at run time, and what it predicts.
 
-Eager tensors have no stable identity across iterations, so each entry carries the features the executor
-matches on (micro-batch, layer, the saving op's name and position in the op sequence, the tensor's
-argument position, dtype, shape and bytes, its ordinal among the saves of its layer), the trigger points
-(op indices) for swap-out, release and swap-in, and the decision (see NOTE [Save-ordinal matching] in
-executor/matching.py for how an entry is found again). JSON round-trip with a schema version.
+Eager tensors have no stable identity across iterations, so the policy lists every save of the traced
+iteration by its site (micro-batch, layer, the op before the save, dtype and rank) and shape, and each
+entry carries its save ordinal into those lists, the features it was traced with (the saving op's name
+and position in the op sequence, the tensor's argument position, dtype, shape and bytes, its ordinal
+among the saves of its layer), the trigger points (op indices) for swap-out, release and swap-in, and the
+decision (see NOTE [Save-site matching] in executor/matching.py for how an entry is found again, and
+which of those features decide). JSON round-trip with a schema version.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class PolicyEntry:
     micro_batch: int
     layer: int  # logical-layer label of the saving op
     group: int  # logical-layer group index
-    save_ordinal: int  # See NOTE [Save-ordinal matching] in executor/matching.py
+    save_ordinal: int  # See NOTE [Save-site matching] in executor/matching.py
     layer_save_ordinal: int  # ordinal among the saved storages of its (micro-batch, layer)
     save_op_index: int  # ops seen when autograd saved it
     calling_op: str  # the op that saved it
@@ -106,8 +108,10 @@ class Policy:
     num_ops: int
     trace_iteration: int
     settings: dict[str, Any]
-    # "dtype[shape]" by save ordinal (KEEPs included). See NOTE [Save-ordinal matching] in executor/matching.py
+    # "dtype[shape]" and the save site by save ordinal (KEEPs included). See NOTE [Save-site matching] in
+    # executor/matching.py. Files written before sites existed have none (matched on save_keys alone).
     save_keys: list[str] = dataclasses.field(default_factory=list)
+    save_sites: list[str] = dataclasses.field(default_factory=list)
     host_kept_bytes: int = 0  # candidates left on the device because of host_budget_bytes
     reason: str = ""  # why it does not fit, in words (empty when it fits)
     infeasibility: Infeasibility | None = None  # why it does not fit, for code to branch on (None: it fits)

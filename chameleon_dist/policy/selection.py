@@ -12,7 +12,17 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
 - **GenPolicy** generates candidates from the latest detailed trace (the paper generates n=5) and tries
   one per iteration; trial outcomes feed back into the next generation (a missed budget makes the next
   policies aim lower, a mispredicted compute time rescales the trace's op times).
-- **Stable** applies the fastest policy that held.
+- **Stable** applies the fastest policy that held with headroom: its measured peak at least the spread of
+  the trials' peak errors (measured - predicted: timing jitter, routing, shapes) under what a policy must
+  stay under. A Stable peak over the budget but within the device's capacity tightens the policy in place
+  (the shortfall added to the reduction the policy aims for, a new policy generated from the same trace,
+  no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per choice; only the next overshoot, or one above
+  the capacity, sends the runtime back to WarmUp.
+- **Shapes never seen before** (a longer sequence, a bigger batch: more bytes saved for backward than in
+  the traced iteration) are handled by scaling first: when the chosen policy needs passive swaps or goes
+  over the budget on such an iteration, a policy is generated from the same trace grown to the new size
+  (``policy.scaling.grown``) and applied at once; only when that fails too does the runtime profile
+  again.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from typing import Mapping
 from chameleon_dist.policy.generator import generate_policies
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
+from chameleon_dist.policy.scaling import grown
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
@@ -39,6 +50,15 @@ TIME_TOLERANCE = 0.25  # ... when the measured compute time is this far from the
 STRICTER_SHARE = 0.1
 """After a passive swap under a policy, the next policies aim this share of the needed reduction (no-swap
 peak - budget) further under the budget."""
+
+MAX_IN_PLACE_TIGHTENINGS = 3
+"""Stable peaks over the budget (within the capacity) absorbed by tightening the chosen policy in place;
+the next one sends the runtime back to WarmUp. The k-th adds 2**(k-1) times its shortfall to the reduction
+the policy aims for (a policy that missed again needs more than its last miss)."""
+
+GROWTH_TOLERANCE = 0.05
+"""Saved bytes this much (relative) above what the chosen policy was made for make an iteration a new,
+larger shape, which is scaled for before the runtime profiles again."""
 
 MIN_COMPUTE_SHARE = 1 / 20
 """The profiled iteration's compute time is taken as at least this share of its measured time, however
@@ -60,6 +80,7 @@ class IterationOutcome:
     passive_swaps: int
     oom_retries: int
     profiled: bool  # a detailed trace of this iteration was recorded (WarmUp)
+    saved_bytes: int = 0  # bytes autograd saved for backward in the completed attempt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +111,13 @@ class PolicyController:
             direction, the host budget and the number of trials (``profiler.policy_trials``).
             ``min_swap_bytes`` is taken per generation from ``policy_for`` (the executor lowers it after
             out-of-memory errors); ``reserve_bytes`` is the controller's own (it grows when policies miss).
+        capacity_bytes: the device's memory. A Stable peak over the budget but not over this is
+            tightened in place; None: every Stable peak over the budget sends the runtime to WarmUp.
 
     Read API (for reports and benchmarks): ``chosen`` (the policy Stable applies, or None),
     ``version`` (how many times one was chosen), ``candidates``, ``results`` (the trials of the current
-    GenPolicy stage), ``reserve_bytes``, ``time_scale``, ``generation_s``, ``trace_stall_s`` and
+    GenPolicy stage), ``reserve_bytes``, ``headroom_bytes`` (the choice's), ``time_scale``,
+    ``generation_s``, ``trace_stall_s``, ``tightened_in_place`` (by the latest ``record``) and
     ``version_of(policy)``.
 
     Example::
@@ -106,8 +130,9 @@ class PolicyController:
         controller.follow(transition, outcome)
     """
 
-    def __init__(self, settings: PolicySettings) -> None:
+    def __init__(self, settings: PolicySettings, capacity_bytes: int | None = None) -> None:
         self.settings = settings
+        self.capacity_bytes = capacity_bytes
         self.candidates: list[Policy] = []
         self.results: list[TrialResult] = []
         self.chosen: Policy | None = None
@@ -115,6 +140,14 @@ class PolicyController:
         self.reserve_bytes = 0  # how far under the budget the next policies aim
         self.time_scale = 1.0  # measured compute time / the trace's, learned from the trials
         self.generation_s = 0.0
+        self.headroom_bytes = 0  # the spread of the trials' peak errors, when the policy was chosen
+        self.tightened_in_place = False  # the latest recorded iteration tightened the chosen policy in place
+        self.absorbed_passive_swaps = False  # ... and its passive swaps were absorbed by scaling the policy
+        self._scaled_for = 1.0  # the chosen policy is made for this many times the trace's saved bytes
+        self._trace_saved_bytes: dict[int, int] = {}  # saved bytes of the profiled iteration, by iteration
+        self._in_place_left = 0  # in-place tightenings the chosen policy may still take
+        self._trace: StepTrace | None = None  # what the latest generation worked from (compute-only times)
+        self._min_swap_bytes = settings.min_swap_bytes  # ... and with
         self._regenerate = False  # trial feedback asks for new policies before the next trial
         self._need_policies = False  # a GenPolicy stage began: generate before its first trial
         self._infeasible_failed = False  # a policy predicted not to fit was tried and did not hold
@@ -166,21 +199,98 @@ class PolicyController:
 
     def record(self, outcome: IterationOutcome) -> str:
         """Account one completed iteration. Returns a reason when a Stable iteration went over what its
-        policy must stay under (the stage machine then goes back to WarmUp), else ""."""
+        policy must stay under and could not be absorbed in place (the stage machine then goes back to
+        WarmUp), else ""."""
         policy, allowed = outcome.policy, self.allowed_peak_bytes
+        self.tightened_in_place = self.absorbed_passive_swaps = False
         if outcome.stage == Stage.GEN_POLICY and policy is not None:
             held = outcome.peak_bytes <= allowed and not outcome.passive_swaps and not outcome.oom_retries
-            self._record_trial(policy, outcome.iteration_s, outcome.peak_bytes, held, outcome.stall_s)
+            # a trial on a shape larger than the traced one that failed, failed for the shape: it counts as
+            # not held, but neither aims the next policies lower nor stops the other trials (scaling comes
+            # first once a policy is chosen)
+            grew = self._growth(outcome) > 1 + GROWTH_TOLERANCE
+            self._record_trial(policy, outcome.iteration_s, outcome.peak_bytes, held, outcome.stall_s, grew)
+            self.absorbed_passive_swaps = bool(outcome.passive_swaps and not outcome.oom_retries and grew)
         if outcome.stage == Stage.WARMUP and policy is None and not outcome.oom_retries:
             self._swap_all_peak_bytes = outcome.peak_bytes
         if outcome.stage == Stage.WARMUP:  # the chosen policy is kept in WarmUp only while it holds without help
             self._warmup_unsafe = bool(policy is not None and (outcome.passive_swaps or outcome.oom_retries))
-        if outcome.profiled:  # the stall of the iteration the next policies are built from
+        if outcome.profiled:  # the stall and saved bytes of the iteration the next policies are built from
             self._trace_stall_s = {outcome.iteration: outcome.attempt_stall_s}
-        if outcome.stage == Stage.STABLE and policy is not None and outcome.peak_bytes > allowed:
-            return (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
-                    f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
+            self._trace_saved_bytes = {outcome.iteration: outcome.saved_bytes}
+        if outcome.stage != Stage.STABLE or policy is None or policy is not self.chosen:
+            return ""
+        failed = outcome.passive_swaps or outcome.peak_bytes > allowed
+        if failed and not outcome.oom_retries and self._scale_for(outcome):
+            self.absorbed_passive_swaps = bool(outcome.passive_swaps)
+            return ""
+        if outcome.peak_bytes > allowed:
+            reason = (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
+                      f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
+            if outcome.passive_swaps or not self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason):
+                return reason
         return ""
+
+    def _scale_for(self, outcome: IterationOutcome) -> bool:
+        """The chosen policy failed on an iteration that saved more than the traced one: a policy from the
+        trace grown to the new size (``policy.scaling.grown``), applied without trials (the fastest
+        predicted to fit, else the one predicted lowest). False when the iteration did not grow beyond what
+        the policy is made for (then the runtime profiles again)."""
+        growth = self._growth(outcome)
+        if growth <= self._scaled_for * (1 + GROWTH_TOLERANCE):
+            return False
+        policies = self._policies_for(growth)
+        if not policies:
+            return False
+        # (the grown trace is a model: where none is predicted to fit, the closest is worth a try)
+        feasible = [p for p in policies if p.feasible]
+        best = min(feasible, key=lambda p: p.predicted_iteration_s) if feasible else min(
+            policies, key=lambda p: p.predicted_peak_bytes)
+        self.chosen = best
+        self.version += 1
+        self._scaled_for = growth
+        logger.info("iteration %d saved %.2fx the traced bytes (a new shape) and its policy did not hold: policy "
+                    "%s made for the trace grown alike chosen (v%d)", outcome.iteration, growth, self.chosen.name,
+                    self.version)
+        return True
+
+    def _growth(self, outcome: IterationOutcome) -> float:
+        """The bytes ``outcome``'s iteration saved for backward over those of the latest generation's
+        trace (1.0 when either is unknown)."""
+        traced = self._trace_saved_bytes.get(self._trace.iteration, 0) if self._trace is not None else 0
+        return outcome.saved_bytes / traced if traced and outcome.saved_bytes else 1.0
+
+    def _policies_for(self, growth: float) -> list[Policy]:
+        """Policies, without trials, from the latest trace grown ``growth`` times (``policy.scaling``)."""
+        settings = dataclasses.replace(self.settings, min_swap_bytes=self._min_swap_bytes, reserve_bytes=self.reserve_bytes)
+        return generate_policies(grown(self._trace, growth), settings).policies
+
+    def _tighten_in_place(self, policy: Policy, shortfall_bytes: int, reason: str) -> bool:
+        """A Stable overshoot within the capacity: a stricter policy from the same trace, without trials.
+        False when it cannot be absorbed (over the capacity, out of tightenings, no policy predicted to
+        fit or at least lower than ``policy``)."""
+        within_capacity = self.capacity_bytes is None or self.allowed_peak_bytes + shortfall_bytes <= self.capacity_bytes
+        if not within_capacity or self._in_place_left <= 0 or self._trace is None or policy is not self.chosen:
+            return False
+        escalation = 2 ** (MAX_IN_PLACE_TIGHTENINGS - self._in_place_left)
+        self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + escalation * shortfall_bytes)
+        policies = self._policies_for(self._scaled_for)
+        feasible = [p for p in policies if p.feasible]
+        # where none is predicted to fit (a grown trace is a model), one predicted lower than the
+        # policy that went over is still stricter
+        stricter = [p for p in policies if p.predicted_peak_bytes < policy.predicted_peak_bytes]
+        if not feasible and not stricter:
+            logger.info("%s; no stricter policy is predicted: profiling again", reason)
+            return False
+        best = min(feasible, key=lambda p: p.predicted_iteration_s) if feasible else min(
+            stricter, key=lambda p: p.predicted_peak_bytes)
+        self._in_place_left -= 1
+        self.chosen = best
+        self.version += 1
+        self.tightened_in_place = True
+        logger.info("%s (within the capacity): policy %s chosen in place (v%d), aiming %s under the budget",
+                    reason, self.chosen.name, self.version, format_bytes(self.reserve_bytes))
+        return True
 
     def follow(self, transition: Transition | None, outcome: IterationOutcome) -> None:
         """React to the stage machine's transition after ``outcome``'s iteration: a new GenPolicy stage
@@ -229,6 +339,7 @@ class PolicyController:
         settings = dataclasses.replace(self.settings, min_swap_bytes=min_swap_bytes, reserve_bytes=self.reserve_bytes)
         start = time.perf_counter()
         result = generate_policies(trace, settings)
+        self._trace, self._min_swap_bytes = trace, min_swap_bytes
         self._needed_bytes = max(0, result.no_swap_peak_bytes - settings.budget_bytes)
         self.generation_s = time.perf_counter() - start
         self._regenerate = False
@@ -260,10 +371,12 @@ class PolicyController:
         fresh = [p for p in self.candidates if id(p) not in tried]
         return fresh[0] if fresh else self.candidates[len(self.results) % len(self.candidates)]
 
-    def _record_trial(self, policy: Policy, iteration_s: float, peak_bytes: int, held: bool, stall_s: float) -> None:
+    def _record_trial(self, policy: Policy, iteration_s: float, peak_bytes: int, held: bool, stall_s: float,
+                      grew: bool = False) -> None:
         """One trial's outcome, fed back into the next generation:
 
-        - a policy that went over the budget makes the next ones aim lower by as much as it missed;
+        - a policy that went over the budget makes the next ones aim lower by as much as it missed (not
+          when the iteration ``grew``: saved more than the traced one);
         - a policy that stalled more than predicted because the trace's op times were off (the profiled
           iteration ran with the detailed recorder, whose cost is not the job's) rescales the op times
           by the compute time this iteration actually took."""
@@ -277,7 +390,7 @@ class PolicyController:
             self._regenerate = True
             logger.info("policy %s stalled %.1f ms (predicted %.1f): op times rescaled by %.2f",
                         policy.name, stall_s * 1e3, policy.predicted_stall_s * 1e3, ratio)
-        if peak_bytes > budget_bytes and peak_bytes > policy.predicted_peak_bytes:
+        if peak_bytes > budget_bytes and peak_bytes > policy.predicted_peak_bytes and not grew:
             miss = peak_bytes - max(policy.predicted_peak_bytes, 1)
             self.reserve_bytes = min(budget_bytes, self.reserve_bytes + miss)
             self._regenerate = True
@@ -285,7 +398,9 @@ class PolicyController:
                         policy.name, format_bytes(miss), format_bytes(self.reserve_bytes))
 
     def _choose(self) -> None:
-        """Keep the fastest policy that held (per policy: its best trial); none when none did."""
+        """Keep the fastest policy that held with headroom (per policy: its best trial); the fastest that
+        held when none has headroom; none when none held. The headroom is the spread of the trials'
+        peak errors (measured - predicted): what timing jitter, routing and shapes moved the peaks by."""
         held = [r for r in self.results if r.held]
         self.chosen = None
         if not self.results:
@@ -296,12 +411,18 @@ class PolicyController:
                 "next policy (lower memory_budget or min_swap_bytes if this repeats)", len(self.results),
             )
             return
-        best = min(held, key=lambda r: r.iteration_s)
+        errors = [r.peak_bytes - r.policy.predicted_peak_bytes for r in self.results]
+        self.headroom_bytes = max(errors) - min(errors)
+        roomy = [r for r in held if r.peak_bytes + self.headroom_bytes <= self.allowed_peak_bytes]
+        best = min(roomy or held, key=lambda r: r.iteration_s)
         self.chosen = best.policy
         self.version += 1
+        self._in_place_left = MAX_IN_PLACE_TIGHTENINGS
+        self._scaled_for = 1.0
         logger.info(
-            "policy %s chosen (v%d): %.1f ms/iteration, peak %s", best.policy.name, self.version,
-            best.iteration_s * 1e3, format_bytes(best.peak_bytes),
+            "policy %s chosen (v%d): %.1f ms/iteration, peak %s (headroom %s%s)", best.policy.name, self.version,
+            best.iteration_s * 1e3, format_bytes(best.peak_bytes), format_bytes(self.headroom_bytes),
+            "" if roomy else "; no trial had it",
         )
 
     def _tighten(self, failed: Policy | None) -> None:

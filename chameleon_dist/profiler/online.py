@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator
 from torch import nn
 
 from chameleon_dist.profiler.recorder import TraceRecorder
-from chameleon_dist.profiler.scope import TrainingScope
+from chameleon_dist.profiler.scope import LayerClock, TrainingScope
 from chameleon_dist.profiler.signature import Comparison, OpVocabulary, Signature, SignatureMode, compare
 from chameleon_dist.profiler.stages import StageMachine
 from chameleon_dist.trace.stages import Stage, Transition
@@ -54,6 +54,7 @@ class OnlineProfiler:
     ) -> None:
         self.vocabulary = OpVocabulary()
         self.scope = TrainingScope()
+        self.layers = LayerClock()
         self.stages = StageMachine(warmup_iterations, policy_trials)
         self.length_change = length_change
         self.cosine_threshold = cosine_threshold
@@ -65,6 +66,23 @@ class OnlineProfiler:
     @property
     def stage(self) -> Stage:
         return self.stages.stage
+
+    def watch(self, model: nn.Module) -> None:
+        """Follow ``model``: whether its forward runs under autograd, and which of its layers runs."""
+        self.scope.watch(model)
+        self.layers.watch(model)
+
+    def site_clock(self, observation: Observation) -> Callable[[], str]:
+        """Where the iteration is now, for the executor's save sites: the running layer and the last op
+        recorded (NOTE [Save-site matching] in executor/matching.py)."""
+        ids, names, layers = observation.ids, self.vocabulary.names, self.layers
+
+        def site() -> str:
+            last = ids[-1] if ids else None
+            name = "start" if last is None else names[last if last >= 0 else ~last]
+            return f"{layers.layer}:{name}"
+
+        return site
 
     @contextlib.contextmanager
     def observe(
@@ -78,6 +96,7 @@ class OnlineProfiler:
         dispatch mode instead of two). Enter after the device's metering. ``on_write`` hears of every
         tensor an op writes in place (the swap executor must know; no second dispatch mode needed)."""
         stage = self.stages.stage
+        self.layers.reset()
         ids: list[int] = []
         if stage == Stage.WARMUP:
             recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated, self.scope)
@@ -108,6 +127,7 @@ class OnlineProfiler:
         attempt that completes. ``passive_swaps`` (those of the failed attempt) are remembered for the stage
         machine: they still mean the policy did not hold."""
         observation.ids.clear()
+        self.layers.reset()
         if observation.recorder is not None:
             observation.recorder.new_attempt()
         observation.failed_attempts += 1

@@ -9,7 +9,6 @@ memory curve can be rebuilt. The work per op is kept small: tuples and dict look
 
 from __future__ import annotations
 
-import re
 import time
 import weakref
 from typing import Callable
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chameleon_dist.profiler.scope import TrainingScope
+from chameleon_dist.profiler.scope import TrainingScope, is_layer_path, layer_of
 from chameleon_dist.profiler.signature import OpVocabulary
 from chameleon_dist.trace.writes import WrittenTensors
 from chameleon_dist.trace.step_trace import (
@@ -33,13 +32,7 @@ from chameleon_dist.trace.step_trace import (
     TensorRecord,
 )
 
-_LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks|h|layer)\.(\d+)(?:\.|$)")
-
-
-def layer_of(module_path: str) -> int:
-    """The transformer-layer index in a module path such as ``decoder.layers.3.mlp`` (else -1)."""
-    match = _LAYER_PATTERN.search(module_path)
-    return int(match.group(1)) if match else -1
+__all__ = ["TraceRecorder", "layer_of"]
 
 
 class TraceRecorder(TorchDispatchMode):
@@ -68,6 +61,7 @@ class TraceRecorder(TorchDispatchMode):
         self.storages: list[StorageRecord] = []
         self.swaps: list[SwapRecord] = []
         self.saves: list[tuple[int, int]] = []
+        self.save_sites: list[str] = []
         self.module_paths: list[str] = []
         self.optimizer_active = False
         self.on_write: Callable[[list[torch.Tensor]], None] | None = None  # hears of in-place writes
@@ -104,6 +98,7 @@ class TraceRecorder(TorchDispatchMode):
         self._tensor_ids.clear()
         self._swap_base += len(self.swaps)
         self.ops, self.tensors, self.storages, self.swaps, self.saves = [], [], [], [], []
+        self.save_sites = []
         self._module_stack.clear()
         self._layer_start_s.clear()
         self.layer_times_s.clear()
@@ -119,7 +114,7 @@ class TraceRecorder(TorchDispatchMode):
             module_id = len(self.module_paths)
             self.module_paths.append(path or type(module).__name__)
             self._module_layers.append(layer_of(path))
-            layer = layer_of(path) if _is_layer_path(path) else -1
+            layer = layer_of(path) if is_layer_path(path) else -1
             self._handles.append(module.register_forward_pre_hook(self._enter(module_id, layer)))
             self._handles.append(module.register_forward_hook(self._leave(layer)))
 
@@ -142,11 +137,14 @@ class TraceRecorder(TorchDispatchMode):
         return hook
 
     # ---- notes from the executor ---------------------------------------------------------------
-    def on_saved(self, tensor: torch.Tensor) -> None:
+    def on_saved(self, tensor: torch.Tensor, site: str = "") -> None:
+        """Autograd saved ``tensor``; ``site`` is where, as the executor names it (NOTE [Save-site
+        matching] in executor/matching.py)."""
         if tensor.layout == torch.strided:
             tensor_id = self._tensor_id(tensor)
             self.tensors[tensor_id].saved = True
             self.saves.append((tensor_id, len(self.ops)))
+            self.save_sites.append(site)
 
     def on_swap_out(self, storage: torch.UntypedStorage) -> int:
         """Returns the swap's index for ``on_swap_in``/``on_restored`` (unique across attempts)."""
@@ -291,10 +289,6 @@ class TraceRecorder(TorchDispatchMode):
             start_live_bytes=self._start_live_bytes,
             layer_times_s=dict(self.layer_times_s),
             saves=self.saves,
+            save_sites=self.save_sites,
             emulated=self.emulated,
         )
-
-
-def _is_layer_path(path: str) -> bool:
-    match = _LAYER_PATTERN.search(path)
-    return bool(match) and match.end() == len(path)

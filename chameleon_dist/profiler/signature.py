@@ -6,16 +6,30 @@ outside autograd (see ``TrainingScope``: validation passes under no_grad, optimi
 preparation). The executor's own ops are not recorded, and it adds the byte size of every tensor
 autograd saves.
 
-``compare`` says whether the sequence ``differs`` at all (any op, its order, an ``~op`` or a saved size:
-reported only) and whether it ``changed`` in the paper's sense, the test that can trigger re-planning:
-among the ops that matter, the length differs by at least ``length_change`` or the cosine similarity of
-the id sequences (zero-padded to one length) is below ``cosine_threshold``, or the bytes saved for
-backward differ by at least ``length_change``. ``major`` is the older name of ``changed``.
+``compare`` classifies the difference from the reference sequence (``ChangeKind``). Among the ops that
+matter it measures three things: the relative change of their number (``length_change``), the cosine
+similarity of their *op-pair profiles* (how often each op follows each other op; an insertion or deletion
+anywhere changes only the pairs at its two ends, so a skipped expert or an extra op barely moves it while
+a different program does), and the relative change of the bytes saved for backward. Then:
+
+- **changed** (a new program; the paper's test, re-planning follows): the profile cosine is below
+  ``cosine_threshold``, or the number of ops *and* the saved bytes both changed by at least
+  ``length_change`` (more or less work on more or less data: an added branch, another micro-batch);
+- **rescaled**: the saved bytes changed by at least ``length_change`` with the same ops (a sequence length
+  or batch size change): the policy applies to the new sizes, and only a policy that stops holding makes
+  the runtime profile again;
+- **rerouted**: the number of ops changed by at least ``length_change`` with the same saved bytes (the
+  same data split differently: experts that got no token did not run);
+- **absorbed**: any smaller difference (an op, its order, an ``~op``, a saved size);
+- **identical**.
+
+``Comparison.major`` is the older name of ``changed``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Callable
 
 import torch
@@ -99,16 +113,27 @@ class Signature:
         return self.ids[self.ids >= 0]
 
 
+class ChangeKind(enum.StrEnum):
+    """How an iteration's sequence differs from the reference (see the module docstring)."""
+
+    IDENTICAL = "identical"
+    ABSORBED = "absorbed"  # a small difference the policy absorbs
+    REROUTED = "rerouted"  # other ops, the same data: e.g. experts that got no token skipped
+    RESCALED = "rescaled"  # the same ops on other sizes: a sequence length or batch size change
+    CHANGED = "changed"  # a new program: a new policy is needed
+
+
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     num_ops: int
     reference_num_ops: int
     length_change: float  # relative, among the ops inside autograd
-    cosine: float
+    cosine: float  # of the op-pair profiles of the ops inside autograd
     saved_bytes_change: float  # relative
     differs: bool  # any difference at all (ops, their order, ~ops, or saved sizes): reported only
-    changed: bool  # the paper's test failed (length, cosine or saved bytes): a new policy is needed
+    changed: bool  # a new program: a new policy is needed
     reason: str
+    kind: ChangeKind = ChangeKind.IDENTICAL
 
     @property
     def major(self) -> bool:
@@ -117,7 +142,8 @@ class Comparison:
 
 
 def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine of two integer sequences, the shorter one zero-padded to the longer one's length."""
+    """Cosine of two integer sequences, the shorter one zero-padded to the longer one's length (the
+    paper's positional test; ``compare`` uses ``pair_profile_cosine``)."""
     n = max(a.numel(), b.numel())
     if n == 0:
         return 1.0
@@ -128,6 +154,27 @@ def cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float:
     y[: b.numel()] = b.to(torch.float64) + 1
     denominator = float(x.norm() * y.norm())
     return float(x @ y) / denominator if denominator else 1.0
+
+
+def _pairs(ids: torch.Tensor, base: int) -> torch.Tensor:
+    """Each op's pair with the op before it (the first op pairs with a start marker), as one integer."""
+    previous = torch.cat([torch.full((1,), base - 1, dtype=torch.int64), ids[:-1]]) if ids.numel() else ids
+    return previous * base + ids
+
+
+def pair_profile_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of how often each op follows each other op in ``a`` and in ``b``. Inserting or
+    deleting k ops anywhere changes at most k + 1 pairs; repeating a stretch (another expert, another
+    layer of the same kind) scales counts that are already there."""
+    if a.numel() == 0 and b.numel() == 0:
+        return 1.0
+    if a.numel() == 0 or b.numel() == 0:
+        return 0.0
+    base = int(max(a.max(), b.max())) + 2  # (+1 for the start marker)
+    pairs, inverse = torch.unique(torch.cat([_pairs(a, base), _pairs(b, base)]), return_inverse=True)
+    x = torch.bincount(inverse[: a.numel()], minlength=pairs.numel()).to(torch.float64)
+    y = torch.bincount(inverse[a.numel():], minlength=pairs.numel()).to(torch.float64)
+    return float(x @ y) / float(x.norm() * y.norm())
 
 
 def _relative(new: float, old: float) -> float:
@@ -141,20 +188,26 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
         return Comparison(current.num_ops, 0, 0.0, 1.0, 0.0, False, False, "no reference sequence yet")
     relevant, reference_relevant = current.relevant(), reference.relevant()
     length = _relative(relevant.numel(), reference_relevant.numel())
-    cosine = cosine_similarity(relevant, reference_relevant)
+    same_ops = torch.equal(relevant, reference_relevant)
+    cosine = 1.0 if same_ops else pair_profile_cosine(relevant, reference_relevant)
     saved = _relative(sum(current.saved_bytes), sum(reference.saved_bytes))
     differs = not (torch.equal(current.ids, reference.ids) and current.saved_bytes == reference.saved_bytes)
-    reasons = []
-    if length >= length_change:
-        reasons.append(f"length changed by {length:.1%} (profiler.length_change {length_change:.0%})")
+    more_ops, more_bytes = length >= length_change, saved >= length_change
+    measured = f"ops {length:.1%}, op-pair cosine {cosine:.3f}, saved bytes {saved:.1%}"
     if cosine < cosine_threshold:
-        reasons.append(f"cosine similarity {cosine:.3f} < profiler.cosine_threshold {cosine_threshold}")
-    if saved >= length_change:
-        reasons.append(f"bytes saved for backward changed by {saved:.1%}")
-    if reasons:
-        reason = "; ".join(reasons)
+        kind = ChangeKind.CHANGED
+        reason = f"op-pair cosine {cosine:.3f} < profiler.cosine_threshold {cosine_threshold} ({measured})"
+    elif more_ops and more_bytes:
+        kind = ChangeKind.CHANGED
+        reason = (f"the number of ops ({length:.1%}) and the bytes saved for backward ({saved:.1%}) both changed "
+                  f"by at least profiler.length_change {length_change:.0%}")
+    elif more_bytes:
+        kind, reason = ChangeKind.RESCALED, f"same ops on other sizes: bytes saved for backward changed by {saved:.1%}"
+    elif more_ops:
+        kind, reason = ChangeKind.REROUTED, f"other ops on the same data: the number of ops changed by {length:.1%}"
     elif differs:
-        reason = f"minor difference absorbed (length {length:.1%}, cosine {cosine:.3f}, saved bytes {saved:.1%})"
+        kind, reason = ChangeKind.ABSORBED, f"minor difference absorbed ({measured})"
     else:
-        reason = "identical"
-    return Comparison(current.num_ops, reference.num_ops, length, cosine, saved, differs, bool(reasons), reason)
+        kind, reason = ChangeKind.IDENTICAL, "identical"
+    changed = kind == ChangeKind.CHANGED
+    return Comparison(current.num_ops, reference.num_ops, length, cosine, saved, differs, changed, reason, kind)

@@ -81,6 +81,9 @@ class StepTrace:
     # (tensor id, op index) per tensor autograd saved, in save order; the op index counts the ops recorded
     # when it was saved, so the saving op is ``ops[op_index - 1]``
     saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # where each save happened, as the swap executor names it ("" when unknown; parallel to ``saves``).
+    # See NOTE [Save-site matching] in executor/matching.py
+    save_sites: list[str] = dataclasses.field(default_factory=list)
     emulated: bool = True
     schema_version: int = SCHEMA_VERSION
 
@@ -154,6 +157,7 @@ class StepTrace:
             "module_paths": self.module_paths,
             "layer_times_s": {str(k): v for k, v in self.layer_times_s.items()},
             "saves": [list(save) for save in self.saves],
+            "save_sites": list(self.save_sites),
             "ops": [dataclasses.astuple(op) for op in self.ops],
             "tensors": [dataclasses.astuple(t) for t in self.tensors],
             "storages": [dataclasses.astuple(s) for s in self.storages],
@@ -179,6 +183,7 @@ class StepTrace:
             start_live_bytes=data["start_live_bytes"],
             layer_times_s={int(k): v for k, v in data.get("layer_times_s", {}).items()},
             saves=[(int(t), int(i)) for t, i in data.get("saves", [])],
+            save_sites=[str(site) for site in data.get("save_sites", [])],
             emulated=data["emulated"],
         )
 
