@@ -32,9 +32,14 @@ Gradients stay allocated between steps (``zero_grad(set_to_none=False)``), one t
 
 Times are emulated: the model computes on this CPU and the link is slowed to the preset's FLOP per link
 byte against this CPU's matmul rate. Small models move many bytes per FLOP, so the ratio is dominated by
-the link once half the activations must leave the device.
+the link once half the activations must leave the device: a layer of hidden size h computes about h FLOP
+per byte it saves, and an H100 PCIe link needs ~13,700 FLOP of compute to hide each byte it moves, so
+half the activations can only leave in the compute's shadow from h in the thousands (and as many tokens,
+or the parameters dominate the peak). ``--instant-link`` takes the link out: the ratio is then the
+runtime's own cost (signature, matching, profiling, trials) on a sequence that keeps changing.
 
     .venv/bin/python launch/bench_dynamic.py --json runs/bench_dynamic.json   # ~5 min on 2 cores
+    .venv/bin/python launch/bench_dynamic.py --instant-link --min-swap-kib 1  # the runtime's own cost
     .venv/bin/python launch/bench_dynamic.py --small                          # ~30 s (smoke test)
 """
 
@@ -142,6 +147,8 @@ def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
     """The case's unswapped peak (an untimed plain pass), then the plain loop and chameleon interleaved."""
 
     def device(capacity: int) -> EmulatedDevice:
+        if args.instant_link:  # copies take no time: what is left is the runtime's own cost
+            return EmulatedDevice(capacity)
         return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
 
     n = args.iterations
@@ -271,6 +278,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         gc.unfreeze()
     return {
+        "instant_link": args.instant_link,
         "calibration": {"preset": args.preset, "description": calibration.preset.description,
                         "cpu_flop_per_s": flops, "h2d_bytes_per_s": calibration.h2d_bytes_per_s,
                         "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
@@ -293,9 +301,13 @@ def print_report(r: dict) -> None:
     print(f"date: {r['date']}; {m['cpu']} ({m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}; "
           f"load average {m['load_average_before']:.2f} before, {m['load_average_after']:.2f} after "
           f"(other jobs share this machine)")
-    print(f"emulated (CPU), link = {cal['preset']} calibrated: {cal['h2d_bytes_per_s'] / 1e6:.2f} MB/s each way "
-          f"(CPU matmul {cal['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s, {cal['flop_per_link_byte']:,.0f} FLOP per link byte "
-          f"as on {cal['description']}); all times are emulated")
+    if r.get("instant_link"):
+        print("emulated (CPU), link = instant (copies take no time: the ratio is the runtime's own cost); all times "
+              "are emulated")
+    else:
+        print(f"emulated (CPU), link = {cal['preset']} calibrated: {cal['h2d_bytes_per_s'] / 1e6:.2f} MB/s each way "
+              f"(CPU matmul {cal['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s, {cal['flop_per_link_byte']:,.0f} FLOP per link "
+              f"byte as on {cal['description']}); all times are emulated")
     print(f"model: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']}, vocab "
           f"{c['vocab']}, fp32, SGD; {c['iterations']} iterations per case, plain and chameleon interleaved; "
           f"chameleon capacity {c['capacity_fraction']:g} x the unswapped peak, memory_budget default, "
@@ -348,6 +360,8 @@ def print_report(r: dict) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
+    parser.add_argument("--instant-link", action="store_true",
+                        help="copies take no time (no --preset): measures the runtime's own cost on changing sequences")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--iterations", type=int, default=40, help="iterations per case")
     parser.add_argument("--layers", type=int, default=4)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from chameleon_dist import Chameleon, EmulatedDevice
+from chameleon_dist.profiler.signature import cosine_similarity
 from tests.models import TinyAttentionBlock, TinyLM, lm_batch, lm_loss
 
 VOCAB, HIDDEN, HEADS = 64, 32, 4
@@ -296,6 +297,11 @@ class Run:
         """Per iteration: the paper's test failed, a new policy is needed (``sequence_changed``)."""
         return [r.sequence_changed for r in self.reports]
 
+    def reference_index(self, iteration: int) -> int:
+        """Index (into ``signatures``) of the reference that ``iteration`` was compared with: the last WarmUp
+        iteration before it."""
+        return max(i for i in range(1, iteration) if self.stages[i - 1] == "warmup") - 1
+
 
 def run(scenario: Scenario, iterations: int, chameleon: bool = True, config: dict | None = None, optimizer: str = "sgd",
         capacity_bytes: int = 10**9) -> Run:
@@ -373,8 +379,9 @@ def _table(iterations: int = 24) -> None:
     """The numbers of docs/sequence-changes.md: the profiler's comparison in iteration EVENT, and how many
     iterations after the last major change the runtime runs in Stable again."""
     torch.set_num_threads(1)
-    print("| scenario | ops at EVENT (reference) | length change | cosine | saved-bytes change | differs | changed | Stable again |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| scenario | ops at EVENT (reference) | length change | op-pair cosine | positional cosine (the paper's) "
+          "| saved-bytes change | differs | kind | Stable again |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for scenario in (make() for make in SCENARIOS.values()):
         result = run(scenario, iterations)
         c, r = result.comparisons[EVENT - 1], result.reports[EVENT - 1]
@@ -384,9 +391,11 @@ def _table(iterations: int = 24) -> None:
             last = majors[-1]
             stable = next(i for i in range(last + 1, iterations + 1) if result.stages[i - 1] == "stable")
             again = f"{stable - last - 1} iterations after {', '.join(map(str, majors))}"
+        reference = result.signatures[result.reference_index(EVENT)].relevant()
+        positional = cosine_similarity(result.signatures[EVENT - 1].relevant(), reference)
         print(
             f"| {scenario.name} | {c.num_ops} ({c.reference_num_ops}) | {c.length_change:.1%} | {c.cosine:.3f} "
-            f"| {c.saved_bytes_change:.1%} | {r.sequence_differs} | {r.sequence_changed} | {again} |"
+            f"| {positional:.3f} | {c.saved_bytes_change:.1%} | {r.sequence_differs} | {c.kind} | {again} |"
         )
 
 

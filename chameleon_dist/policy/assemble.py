@@ -134,7 +134,8 @@ def _arg_position(op: OpRecord, tensor_id: int) -> int:
 def _why_infeasible(ctx: Context, sim: SimResult, host_kept_bytes: int) -> tuple[Infeasibility, str]:
     """The cause, checked from the most fundamental (swapping cannot help at all) to the most tunable."""
     trace, s = ctx.trace, ctx.settings
-    short = format_bytes(sim.peak_bytes - s.budget_bytes)
+    short = (f"{format_bytes(sim.peak_bytes - s.budget_bytes)} (predicted peak {format_bytes(sim.peak_bytes)}, "
+             f"budget {format_bytes(s.budget_bytes)})")
     op = trace.ops[sim.peak_op]
     if not any(c.last_forward_use < sim.peak_op < c.first_backward_use for c in ctx.candidates):
         return Infeasibility.NO_SWAPPABLE_AT_PEAK, (
@@ -145,8 +146,8 @@ def _why_infeasible(ctx: Context, sim: SimResult, host_kept_bytes: int) -> tuple
     floor_bytes = _swap_floor_bytes(ctx)
     if floor_bytes > s.budget_bytes:
         return Infeasibility.SWAP_FLOOR_ABOVE_BUDGET, (
-            f"short by {short}: even with every candidate off the device "
-            f"for its whole window the peak would be {format_bytes(floor_bytes)}, above the budget (what is live there is "
+            f"short by {short}: even with every candidate off the device for its whole window and instant "
+            f"copies the peak would be {format_bytes(floor_bytes)}, above the budget (what is live there is "
             "not swappable: model state, temporaries, activations in use, tensors below min_swap_bytes); raise "
             "memory_budget, lower min_swap_bytes, shrink the micro-batch or add recomputation"
         )

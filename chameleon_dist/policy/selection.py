@@ -54,7 +54,10 @@ peak - budget) further under the budget."""
 MAX_IN_PLACE_TIGHTENINGS = 3
 """Stable peaks over the budget (within the capacity) absorbed by tightening the chosen policy in place;
 the next one sends the runtime back to WarmUp. The k-th adds 2**(k-1) times its shortfall to the reduction
-the policy aims for (a policy that missed again needs more than its last miss)."""
+the policy aims for (a policy that missed again needs more than its last miss), and doubles that step up
+to ``STRICTER_SEARCH_STEPS`` times until a policy predicted lower than the one that went over comes out."""
+
+STRICTER_SEARCH_STEPS = 6
 
 GROWTH_TOLERANCE = 0.05
 """Saved bytes this much (relative) above what the chosen policy was made for make an iteration a new,
@@ -272,16 +275,19 @@ class PolicyController:
         within_capacity = self.capacity_bytes is None or self.allowed_peak_bytes + shortfall_bytes <= self.capacity_bytes
         if not within_capacity or self._in_place_left <= 0 or self._trace is None or policy is not self.chosen:
             return False
-        escalation = 2 ** (MAX_IN_PLACE_TIGHTENINGS - self._in_place_left)
-        self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + escalation * shortfall_bytes)
-        policies = self._policies_for(self._scaled_for)
-        feasible = [p for p in policies if p.feasible]
-        # where none is predicted to fit (a grown trace is a model), one predicted lower than the
-        # policy that went over is still stricter
-        stricter = [p for p in policies if p.predicted_peak_bytes < policy.predicted_peak_bytes]
-        if not feasible and not stricter:
+        step_bytes = max(1, 2 ** (MAX_IN_PLACE_TIGHTENINGS - self._in_place_left) * shortfall_bytes)
+        stricter: list[Policy] = []
+        for _ in range(STRICTER_SEARCH_STEPS):  # a policy predicted lower than the one that went over
+            self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + step_bytes)
+            policies = self._policies_for(self._scaled_for)
+            stricter = [p for p in policies if p.predicted_peak_bytes < policy.predicted_peak_bytes]
+            if stricter or self.reserve_bytes >= self.settings.budget_bytes:
+                break
+            step_bytes *= 2
+        if not stricter:
             logger.info("%s; no stricter policy is predicted: profiling again", reason)
             return False
+        feasible = [p for p in stricter if p.feasible]  # (where none is predicted to fit, the lowest is tried)
         best = min(feasible, key=lambda p: p.predicted_iteration_s) if feasible else min(
             stricter, key=lambda p: p.predicted_peak_bytes)
         self._in_place_left -= 1
