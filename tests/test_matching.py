@@ -106,3 +106,35 @@ def test_a_policy_without_sites_matches_on_shapes_alone():
     assert _saves(matcher, [("", shape) for shape in SHAPES]) == [None, 1, 2, None, None]
     other = PolicyMatcher(_policy(SHAPES, swapped=[2]))
     assert other.match(torch.zeros(16, 9), "") is None and other.counts.unmatched == 1
+
+
+def test_sites_name_micro_batch_and_layer_and_an_unchanged_iteration_matches_exactly():
+    """Through the runtime: the trace's sites (recorded by the executor) are the ones it meets again."""
+    from chameleon_dist import Chameleon
+    from chameleon_dist.device.emulated import EmulatedDevice
+    from launch.toy_gpt import GPT
+
+    tokens = torch.randint(0, 64, (2, 4, 33), generator=torch.Generator().manual_seed(0))
+
+    def train(config, capacity_bytes, iterations):
+        torch.manual_seed(0)
+        model = GPT(64, 32, 4, 2)
+        chameleon = Chameleon(config, device=EmulatedDevice(capacity_bytes))
+        chameleon.attach(model)
+
+        def two_micro_batches():
+            for batch in tokens:
+                model(batch[:, :-1]).sum().backward()
+
+        for _ in range(iterations):
+            chameleon.run_iteration(two_micro_batches)
+        return chameleon
+
+    peak = train({"enabled": False}, 2**40, 1).last_report.peak_device_bytes
+    chameleon = train({"min_swap_bytes": 1024}, int(0.75 * peak), 8)
+    report, policy = chameleon.last_report, chameleon.controller.chosen
+    assert report.stage == "stable" and policy is not None and policy.save_sites
+    micro_batches = {site.split(":")[0] for site in policy.save_sites}
+    layers = {site.split(":")[1] for site in policy.save_sites}
+    assert micro_batches == {"0", "1"} and {"0", "1"} <= layers
+    assert report.matched_exact > 0 and report.matched_fuzzy == report.unmatched == report.skipped_entries == 0
