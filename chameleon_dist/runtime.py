@@ -19,6 +19,7 @@ import gc
 import logging
 import math
 import time
+import traceback
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -62,6 +63,19 @@ class _Running:
     observation: Observation | None = None
     counters: SwapCounters = dataclasses.field(default_factory=SwapCounters)
     oom_retries: int = 0
+
+
+def _drop_failed_frames(exc: BaseException) -> None:
+    """Let go of what the failed attempt's frames hold (its loss, activations, autograd graph). An error
+    raised inside backward can stay referenced from C++ after the ``except`` block, out of the garbage
+    collector's sight, and its frames with it: on the MoE case of launch/bench_dynamic.py they kept
+    0.6 MB of the failed attempt's activations through the retry. (The executor lets go of the saved
+    tensors themselves: ``SwapExecutor.new_attempt``.)"""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _planning_rate(device_bytes_per_s: float | None, configured_bytes_per_s: float | None) -> float:
@@ -314,6 +328,7 @@ class Chameleon:
                     if attempt == retries:
                         raise self._final_out_of_memory(exc, attempt) from exc
                     reason = str(exc)
+                    _drop_failed_frames(exc)
                 else:
                     if optimizer is not None:
                         with self.optimizer_phase(), optimizer_state_guard(optimizer):
@@ -378,7 +393,7 @@ class Chameleon:
         running.oom_retries += 1
         counters = self.executor.counters
         refused_bytes, passive_swaps, policy = counters.kept_on_device_bytes, counters.passive_swaps, self.executor.policy
-        gc.collect()  # the failed attempt's graph and its swapped entries go now
+        gc.collect()  # the failed attempt's graph goes now, where Python can free it; the executor lets go of the rest
         action = self.controller.on_out_of_memory(policy, refused_bytes, self.executor.min_swap_bytes)
         self.executor.new_attempt(swap_everything=action == RetryAction.SWAP_EVERYTHING)
         if running.observation is not None:

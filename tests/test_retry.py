@@ -245,3 +245,36 @@ def test_a_failed_iteration_is_reported():
     assert report.iteration == 2 and report.swap_out_bytes > 0
     chameleon.run_iteration(lambda: lm_loss(model, tokens, labels).backward())
     assert chameleon.last_report.iteration == 2 and not chameleon.last_report.failed
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_graph_left_from_a_failed_attempt_gives_its_memory_to_the_retry(swapped):
+    """An error inside backward can leave the attempt's graph alive where the garbage collector cannot reach
+    it (PyTorch's engine holds a graph whose backward raised; here a list does, to be sure). Its saved
+    tensors, kept or swapped, must not hold device or host memory through the retry, and running backward
+    on it afterwards is an error, never stale data."""
+    from chameleon_dist.executor import IterationContext, SwapExecutor
+
+    device = EmulatedDevice(2**30)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    device.track_module(model)
+    executor = SwapExecutor(device, min_swap_bytes=1024 if swapped else 2**40)
+    executor.protect(model)
+    left_behind = []
+    with device.active():
+        base_bytes = device.live_bytes()
+        with executor.active(IterationContext()):
+            left_behind.append(model(torch.randn(512, 256)).sum())  # the failed attempt's graph
+            loss_bytes = 4
+            if swapped:  # its activations wait on the host
+                assert device.host_pool.in_use_bytes >= 3 * 512 * 256 * 4
+            else:  # ... or on the device
+                assert device.live_bytes() >= base_bytes + loss_bytes + 3 * 512 * 256 * 4
+            executor.new_attempt()  # the retry begins
+            assert device.live_bytes() == base_bytes + loss_bytes, "the retry starts with what the iteration began with"
+            assert device.host_pool.in_use_bytes == 0
+            with pytest.raises(RuntimeError, match="ran out of memory and was retried"):
+                left_behind[0].backward()
+            loss = model(torch.randn(512, 256)).sum()  # the retry's own graph works
+            loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

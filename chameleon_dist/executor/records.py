@@ -23,7 +23,7 @@ class SwapEntry:
 
     __slots__ = (
         "nbytes", "version", "position", "trace_index", "to_host", "to_device", "device_bytes", "_device", "planned",
-        "writes", "source", "reused_source", "reuse_counted", "__weakref__",
+        "writes", "source", "reused_source", "reuse_counted", "abandoned", "__weakref__",
     )
 
     def __init__(
@@ -44,6 +44,7 @@ class SwapEntry:
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None
         self._device = device
+        self.abandoned = False  # its attempt ran out of memory and was retried (``abandon``)
 
     @property
     def restored(self) -> bool:
@@ -82,6 +83,19 @@ class SwapEntry:
             self.to_device = None
         return self.device_bytes
 
+    def abandon(self) -> None:
+        """Its attempt ran out of memory and was retried: give back the host buffer (after the copies that
+        touch it) and the restored device bytes. The failed attempt's graph can outlive the attempt, held
+        where the garbage collector cannot reach (PyTorch's engine keeps a graph whose backward raised);
+        it must not keep device or host memory from the retry. Unpacking it afterwards raises."""
+        self.abandoned = True
+        self.device_bytes = None
+        to_host = self.to_host
+        if to_host is not None:
+            self._device.wait(self.to_device if self.to_device is not None else to_host)
+            self._device.release_host(to_host.result)
+        self.to_host = self.to_device = None
+
     def _release_host_if_copied(self) -> None:
         """A reused original no longer needs the host copy: give it back if the swap-out is done (else the
         destructor does, after waiting for it; NOTE [Release after copy] in device/base.py)."""
@@ -102,6 +116,14 @@ class SwapEntry:
             self._device.release_host(to_host.result)
         except Exception:  # noqa: BLE001 - a destructor must not raise; the buffer is simply dropped
             pass
+
+
+def abandoned_error() -> RuntimeError:
+    return RuntimeError(
+        "backward reached a tensor saved by an attempt of the iteration that ran out of memory and was retried: "
+        "that attempt's graph was let go (its memory went to the retry). Run backward on the retry's outputs "
+        "(Chameleon.run_iteration re-runs the whole closure)."
+    )
 
 
 def _modified_in_place(description: str, current: int, saved: int) -> RuntimeError:
@@ -125,7 +147,7 @@ class KeptTensor:
     forward pass without backward) would never be freed. The alias shares the version counter, which
     restores autograd's in-place check."""
 
-    __slots__ = ("tensor", "version", "nbytes", "swapped", "root", "__weakref__")
+    __slots__ = ("tensor", "version", "nbytes", "swapped", "root", "abandoned", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor.detach()
@@ -134,6 +156,14 @@ class KeptTensor:
         self.root = weakref.ref(tensor._base if tensor._base is not None else tensor)
         self.nbytes = tensor.untyped_storage().nbytes()
         self.swapped: SwappedTensor | None = None  # set when a passive swap took it off the device
+        self.abandoned = False  # its attempt ran out of memory and was retried (``abandon``)
+
+    def abandon(self) -> None:
+        """Its attempt ran out of memory and was retried: drop the device alias (see ``SwapEntry.abandon``)."""
+        self.abandoned = True
+        self.tensor = None
+        if self.swapped is not None:
+            self.swapped.entry.abandon()
 
     def swap_out(self, swapped: "SwappedTensor") -> None:
         """A passive swap moved it to the host: drop the device alias (the entry holds the copy). The
@@ -144,6 +174,8 @@ class KeptTensor:
         self.tensor = None
 
     def unpack(self) -> torch.Tensor:
+        if self.abandoned:
+            raise abandoned_error()
         if self.tensor._version != self.version:
             raise _modified_in_place(_describe(self.tensor), self.tensor._version, self.version)
         return self.tensor
@@ -154,6 +186,7 @@ class SwappedTensor:
 
     __slots__ = (
         "entry", "dtype", "size", "stride", "storage_offset", "version", "entry_version", "base", "description",
+        "__weakref__",
     )
 
     def __init__(self, entry: SwapEntry, tensor: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
-from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor
+from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.trace.writes import WriteWatch
 from chameleon_dist.units import format_bytes
@@ -105,6 +105,8 @@ class SwapExecutor:
         self._unpacked = False  # backward unpacked a saved tensor since the last forward save
         self._triggers: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
+        # every tensor this attempt packed (kept or swapped): let go when the attempt is retried
+        self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []
 
     # ---- setup ------------------------------------------------------------------------------
     def protect(self, module: nn.Module) -> None:
@@ -184,14 +186,27 @@ class SwapExecutor:
 
     def new_attempt(self, swap_everything: bool = False) -> None:
         """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
-        yielded, emptied in place) and the save numbering describe only the attempt that completes.
-        ``swap_everything`` drops the policy for the rest of the iteration (it did not hold)."""
+        yielded, emptied in place) and the save numbering describe only the attempt that completes, and
+        the failed attempt's saved tensors give back their device and host memory (unpacking one later
+        raises). ``swap_everything`` drops the policy for the rest of the iteration (it did not hold)."""
+        self._abandon_attempt()
         fresh = SwapCounters()
         for field in dataclasses.fields(SwapCounters):
             setattr(self.counters, field.name, getattr(fresh, field.name))
         if swap_everything:
             self._use_policy(None)
         self._start_attempt()
+
+    def _abandon_attempt(self) -> None:
+        """The failed attempt's saved tensors give back their device and host memory: its graph may
+        outlive it where the garbage collector cannot reach (an error inside backward leaves PyTorch's
+        engine holding it), and must not take memory from the retry. Unpacking one afterwards raises."""
+        for ref in self._packed:
+            packed = ref()
+            if isinstance(packed, KeptTensor):
+                packed.abandon()
+            elif isinstance(packed, SwappedTensor):
+                packed.entry.abandon()
 
     def tighten(self) -> int:
         """After an out-of-memory error with every eligible tensor swapped: swap smaller tensors too.
@@ -218,6 +233,7 @@ class SwapExecutor:
         self._unpacked = False
         self._triggers.clear()
         self._kept.clear()
+        self._packed.clear()
 
     # ---- hooks ------------------------------------------------------------------------------
     def _eligible(self, tensor: torch.Tensor) -> bool:
@@ -270,8 +286,11 @@ class SwapExecutor:
                         heapq.heappush(self._triggers, (trigger, entry.position, weakref.ref(entry)))
                         entry.planned = True
         if entry is not None:
-            return SwappedTensor(entry, tensor)
+            swapped = SwappedTensor(entry, tensor)
+            self._packed.append(weakref.ref(swapped))
+            return swapped
         kept = KeptTensor(tensor)
+        self._packed.append(weakref.ref(kept))
         if self._matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and self._eligible(tensor):
             self._kept.append(weakref.ref(kept))  # a passive swap may take it later
         return kept
@@ -333,6 +352,8 @@ class SwapExecutor:
             packed = packed.swapped  # taken by a passive swap
         if not isinstance(packed, SwappedTensor):
             return packed
+        if packed.entry.abandoned:
+            raise abandoned_error()
         packed.check_version()
         if self._swapped_since_release:
             # Planned release point: a backward pass begins, so every swap-out issued in the forward pass
