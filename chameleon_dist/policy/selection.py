@@ -120,7 +120,8 @@ class PolicyController:
     Read API (for reports and benchmarks): ``chosen`` (the policy Stable applies, or None),
     ``version`` (how many times one was chosen), ``candidates``, ``results`` (the trials of the current
     GenPolicy stage), ``reserve_bytes``, ``headroom_bytes`` (the choice's), ``time_scale``,
-    ``generation_s``, ``trace_stall_s``, ``tightened_in_place`` (by the latest ``record``) and
+    ``generation_s``, ``trace_stall_s``, ``tightened_in_place`` and ``absorbed_passive_swaps`` (by the
+    latest ``record``: the stage machine must not restart for that iteration's passive swaps) and
     ``version_of(policy)``.
 
     Example::
