@@ -12,8 +12,8 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
 - **GenPolicy** generates candidates from the latest detailed trace (the paper generates n=5) and tries
   one per iteration; trial outcomes feed back into the next generation (a missed budget makes the next
   policies aim lower, a mispredicted compute time rescales the trace's op times).
-- **Stable** applies the fastest policy that held with headroom: its measured peak at least the spread of
-  the trials' peak errors (measured - predicted: timing jitter, routing, shapes) under what a policy must
+- **Stable** applies the fastest policy that held with headroom: its measured peak at least the largest
+  move of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must
   stay under. A Stable peak over the budget but within the device's capacity tightens the policy in place
   (the shortfall added to the reduction the policy aims for, a new policy generated from the same trace,
   no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per choice; only the next overshoot, or one above
@@ -144,7 +144,7 @@ class PolicyController:
         self.reserve_bytes = 0  # how far under the budget the next policies aim
         self.time_scale = 1.0  # measured compute time / the trace's, learned from the trials
         self.generation_s = 0.0
-        self.headroom_bytes = 0  # the spread of the trials' peak errors, when the policy was chosen
+        self.headroom_bytes = 0  # how much one policy's peak moved between its trials, when one was chosen
         self.tightened_in_place = False  # the latest recorded iteration tightened the chosen policy in place
         self.absorbed_passive_swaps = False  # ... and its passive swaps were absorbed by scaling the policy
         self._scaled_for = 1.0  # the chosen policy is made for this many times the trace's saved bytes
@@ -406,8 +406,10 @@ class PolicyController:
 
     def _choose(self) -> None:
         """Keep the fastest policy that held with headroom (per policy: its best trial); the fastest that
-        held when none has headroom; none when none held. The headroom is the spread of the trials'
-        peak errors (measured - predicted): what timing jitter, routing and shapes moved the peaks by."""
+        held when none has headroom; none when none held. The headroom is how much one policy's peak moved
+        between its trials (``_peak_variation_bytes``): what timing jitter, routing and shapes move a
+        peak by. (Not the spread of prediction errors across policies: a policy predicted far off, such as
+        swapping everything on a slow link, would make every fast one look short of room.)"""
         held = [r for r in self.results if r.held]
         self.chosen = None
         if not self.results:
@@ -418,8 +420,7 @@ class PolicyController:
                 "next policy (lower memory_budget or min_swap_bytes if this repeats)", len(self.results),
             )
             return
-        errors = [r.peak_bytes - r.policy.predicted_peak_bytes for r in self.results]
-        self.headroom_bytes = max(errors) - min(errors)
+        self.headroom_bytes = self._peak_variation_bytes()
         roomy = [r for r in held if r.peak_bytes + self.headroom_bytes <= self.allowed_peak_bytes]
         best = min(roomy or held, key=lambda r: r.iteration_s)
         self.chosen = best.policy
@@ -431,6 +432,14 @@ class PolicyController:
             best.iteration_s * 1e3, format_bytes(best.peak_bytes), format_bytes(self.headroom_bytes),
             "" if roomy else "; no trial had it",
         )
+
+    def _peak_variation_bytes(self) -> int:
+        """How much the peak of one policy moved between its trials (timing jitter, routing, shapes): the
+        largest spread over the policies tried more than once, 0 when none was."""
+        peaks: dict[int, list[int]] = {}
+        for r in self.results:
+            peaks.setdefault(id(r.policy), []).append(r.peak_bytes)
+        return max((max(p) - min(p) for p in peaks.values() if len(p) > 1), default=0)
 
     def _tighten(self, failed: Policy | None) -> None:
         if failed is not None and not failed.feasible:
