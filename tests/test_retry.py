@@ -278,3 +278,27 @@ def test_a_graph_left_from_a_failed_attempt_gives_its_memory_to_the_retry(swappe
             loss = model(torch.randn(512, 256)).sum()  # the retry's own graph works
             loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_retry_does_not_inherit_the_failed_attempts_frames():
+    """The out-of-memory error can stay referenced after the retry began (PyTorch's engine can hold an
+    error raised inside backward; here a list holds it): the tensors the failed attempt's frames held
+    must not stay on the device through the retry."""
+    device = EmulatedDevice(2**30)
+    chameleon = Chameleon({}, device=device)
+    live_at_start, held = [], []
+
+    def closure():
+        live_at_start.append(device.live_bytes())
+        activations = torch.zeros(256, 1024)  # 1 MiB on the device, referenced only by this frame
+        if len(live_at_start) == 1:
+            try:
+                raise torch.OutOfMemoryError("out of memory (raised by the test)")
+            except torch.OutOfMemoryError as exc:
+                held.append(exc)
+                raise
+        return activations.sum()
+
+    chameleon.run_iteration(closure)
+    assert len(live_at_start) == 2 and chameleon.last_report.oom_retries == 1
+    assert live_at_start[1] == live_at_start[0], "the failed attempt's 1 MiB is gone before the retry"
