@@ -263,7 +263,9 @@ class SwapExecutor:
             self._unpacked = False
         storage = tensor.untyped_storage()
         seen = self._seen_before(storage)
-        site = "" if seen else self._site(tensor)
+        # (sites are for the trace and the matcher: swapping everything needs none)
+        wanted = not seen and (self._matcher is not None or self._context.observer is not None)
+        site = self._site(tensor) if wanted else ""
         if self._context.observer is not None:
             self._context.observer.on_saved(tensor, site)
         if self._matcher is not None:

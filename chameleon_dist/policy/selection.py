@@ -106,6 +106,14 @@ class RetryAction(enum.StrEnum):
     LOWER_MIN_SWAP = "lower_min_swap"  # swap smaller tensors too (``min_swap_bytes`` goes down)
 
 
+def _fastest_fitting_else_lowest(policies: list[Policy]) -> Policy:
+    """The policy applied without trials: the fastest predicted to fit, else the one predicted lowest."""
+    feasible = [p for p in policies if p.feasible]
+    if feasible:
+        return min(feasible, key=lambda p: p.predicted_iteration_s)
+    return min(policies, key=lambda p: p.predicted_peak_bytes)
+
+
 class PolicyController:
     """Chooses, tries, keeps and tightens swap policies for one runtime.
 
@@ -246,10 +254,7 @@ class PolicyController:
         policies = self._policies_for(growth)
         if not policies:
             return False
-        # (the grown trace is a model: where none is predicted to fit, the closest is worth a try)
-        feasible = [p for p in policies if p.feasible]
-        best = min(feasible, key=lambda p: p.predicted_iteration_s) if feasible else min(
-            policies, key=lambda p: p.predicted_peak_bytes)
+        best = _fastest_fitting_else_lowest(policies)  # (the grown trace is a model: the closest is worth a try)
         self.chosen = best
         self.version += 1
         self._scaled_for = growth
@@ -288,9 +293,7 @@ class PolicyController:
         if not stricter:
             logger.info("%s; no stricter policy is predicted: profiling again", reason)
             return False
-        feasible = [p for p in stricter if p.feasible]  # (where none is predicted to fit, the lowest is tried)
-        best = min(feasible, key=lambda p: p.predicted_iteration_s) if feasible else min(
-            stricter, key=lambda p: p.predicted_peak_bytes)
+        best = _fastest_fitting_else_lowest(stricter)
         self._in_place_left -= 1
         self.chosen = best
         self.version += 1

@@ -32,9 +32,6 @@ from chameleon_dist.trace.step_trace import (
     TensorRecord,
 )
 
-__all__ = ["TraceRecorder", "layer_of"]
-
-
 class TraceRecorder(TorchDispatchMode):
     """Records one iteration. Enter it (after the device's metering) around the iteration; ``finish``
     returns the ``StepTrace``."""
