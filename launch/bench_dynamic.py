@@ -58,7 +58,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from bench_executor import MIB, Variant, host_batch  # noqa: E402
-from machine_info import finish, header, write_json  # noqa: E402
+from machine_info import run_benchmark  # noqa: E402
 from toy_gpt import GPT, MoEFeedForward  # noqa: E402
 
 import torch
@@ -402,23 +402,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        started = time.perf_counter()
-        results = {
-            **header("bench_dynamic.py", argv, torch),
-            "emulated": True,
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            **run(args),
-        }
-        finish(results, started)
-    finally:
-        torch.set_num_threads(threads_before)
-    print_report(results)
-    write_json(args.json, results)
-    return results
+    return run_benchmark("bench_dynamic.py", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

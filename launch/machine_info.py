@@ -56,3 +56,27 @@ def write_json(path: Path | None, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"results written to {path}")
+
+
+def run_benchmark(script: str, argv: list[str], args, torch_module, run, report) -> dict:
+    """The common frame of a benchmark: ``run(args)`` with ``args.threads`` torch threads (restored
+    after), its results after the header (command, date, machine) and the config, then the wall time,
+    ``report(results)`` and the JSON at ``args.json``."""
+    import time
+
+    threads_before = torch_module.get_num_threads()
+    torch_module.set_num_threads(args.threads)
+    try:
+        started = time.perf_counter()
+        results = {
+            **header(script, argv, torch_module),
+            "emulated": True,
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            **run(args),
+        }
+        finish(results, started)
+    finally:
+        torch_module.set_num_threads(threads_before)
+    report(results)
+    write_json(args.json, results)
+    return results
