@@ -207,6 +207,10 @@ class ExecutorConfig(_Section):
         3, ge=0, description="How often run_iteration tightens the policy and re-runs a step after an OOM.",
         json_schema_extra=_hint("use a whole number >= 0 (e.g. 3)"),
     )
+    allow_recompute: bool = Field(
+        True, description="Policies may rebuild a saved tensor from its producer's inputs in backward instead of "
+        "swapping it (exactly recomputable ops only); false = swap only.",
+    )
 
 
 class ChameleonConfig(_Section):
