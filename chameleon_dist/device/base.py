@@ -8,6 +8,7 @@ host copy.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, ContextManager, Protocol, runtime_checkable
 
 import torch
@@ -67,6 +68,43 @@ class CopyHandle(Protocol):
     def done(self) -> bool:
         """True once the copy has completed (never blocks)."""
         ...
+
+
+class DeviceTimer(Protocol):
+    """Measures the device's own work between points of the training thread (layer times in traces).
+
+    ``mark`` notes "now" in the order the device executes the training stream's work and returns an opaque
+    mark; ``elapsed_s(start, end)`` is the device time between two marks. On an accelerator the host only
+    queues kernels, so a host clock read in a forward hook measures kernel launches, not their execution:
+    there a mark is an event recorded on the compute stream and the time is read from the device once,
+    after ``resolve`` (one synchronisation for a whole iteration, never one per layer). ``elapsed_s`` is
+    only valid for marks made before the latest ``resolve``."""
+
+    def mark(self) -> object:
+        """Note this point of the training stream's work (never blocks)."""
+        ...
+
+    def resolve(self) -> None:
+        """Wait until the device has reached every mark made so far (call once, before ``elapsed_s``)."""
+        ...
+
+    def elapsed_s(self, start: object, end: object) -> float:
+        """Seconds of device time from ``start`` to ``end`` (both made before the latest ``resolve``)."""
+        ...
+
+
+class HostTimer:
+    """A ``DeviceTimer`` for devices whose work runs on the host thread that calls it (the emulated
+    device, the meta device): a mark is ``time.perf_counter()`` and nothing needs resolving."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def resolve(self) -> None:
+        """Nothing to wait for: the host's clock was read when the work had run."""
+
+    def elapsed_s(self, start: float, end: float) -> float:
+        return end - start
 
 
 PressureHandler = Callable[[int], int]
@@ -169,6 +207,11 @@ class Device(Protocol):
 
     def synchronize(self) -> None:
         """Wait for every copy started so far."""
+        ...
+
+    def timer(self) -> DeviceTimer:
+        """A timer of this device's work (layer times in detailed traces): CUDA events on a GPU, the host
+        clock where the host runs the work. One per iteration; see ``DeviceTimer``."""
         ...
 
     def random_state(self) -> torch.Tensor | None:

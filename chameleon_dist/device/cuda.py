@@ -111,6 +111,28 @@ class CudaCopyHandle:
                 pass
 
 
+class CudaEventTimer:
+    """Layer times on the GPU (``DeviceTimer``): each mark is a timing event recorded on the current stream
+    of ``device`` (the compute stream: forward hooks run on the training thread, backward hooks on
+    autograd's thread for this device, under the stream of the op they precede). ``resolve`` synchronises
+    the device once; ``elapsed_s`` then reads the GPU's own timestamps, so a layer's time is its kernels'
+    execution, not the host's time to launch them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def resolve(self) -> None:
+        torch.cuda.synchronize(self._device)
+
+    def elapsed_s(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000.0
+
+
 class CudaDevice:
     """A CUDA device (``device_index``, default the current one) seen through the ``Device`` protocol.
 
@@ -295,6 +317,10 @@ class CudaDevice:
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
         """Tried before ``copy_to_device`` raises out-of-memory (other allocations cannot be hooked)."""
         self._pressure_handler = handler
+
+    def timer(self) -> CudaEventTimer:
+        """CUDA timing events on this device's current stream (see ``CudaEventTimer``)."""
+        return CudaEventTimer(self.torch_device)
 
     def random_state(self) -> torch.Tensor:
         """This device's CUDA generator state (dropout on the GPU draws from it, not from the CPU's)."""

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from chameleon_dist.device.base import PressureHandler, byte_view
+from chameleon_dist.device.base import HostTimer, PressureHandler, byte_view
 from chameleon_dist.device.host_pool import HostBufferPool
 from chameleon_dist.device.link import EmulatedCopyHandle, EmulatedLink
 from chameleon_dist.device.meter import StorageMeter
@@ -144,6 +144,10 @@ class EmulatedDevice:
 
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
         self.meter.pressure_handler = handler
+
+    def timer(self) -> HostTimer:
+        """The host clock: the emulated device's compute runs on the training thread as it is issued."""
+        return HostTimer()
 
     def random_state(self) -> None:
         """Emulated "device" tensors are CPU tensors: they draw from the CPU generator."""

@@ -11,6 +11,7 @@ from typing import Callable, Iterable, Iterator
 
 from torch import nn
 
+from chameleon_dist.device.base import DeviceTimer, HostTimer
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.scope import LayerClock, TrainingScope
 from chameleon_dist.profiler.signature import Comparison, OpVocabulary, Signature, SignatureMode, compare
@@ -43,6 +44,9 @@ class IterationProfile:
 
 
 class OnlineProfiler:
+    """``timer`` makes the ``DeviceTimer`` of each detailed trace's layer times: pass the device's ``timer``
+    (on a GPU a host clock would time kernel launches, not kernels); default: the host clock."""
+
     def __init__(
         self,
         warmup_iterations: int,
@@ -51,6 +55,7 @@ class OnlineProfiler:
         cosine_threshold: float,
         live_bytes: Callable[[], int],
         emulated: bool,
+        timer: Callable[[], DeviceTimer] = HostTimer,
     ) -> None:
         self.vocabulary = OpVocabulary()
         self.scope = TrainingScope()
@@ -60,6 +65,7 @@ class OnlineProfiler:
         self.cosine_threshold = cosine_threshold
         self._live_bytes = live_bytes
         self._emulated = emulated
+        self.timer = timer
         self.reference: Signature | None = None
         self.last_trace: StepTrace | None = None
 
@@ -99,7 +105,8 @@ class OnlineProfiler:
         self.layers.reset()
         ids: list[int] = []
         if stage == Stage.WARMUP:
-            recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated, self.scope)
+            recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated,
+                                     self.scope, timer=self.timer())
             recorder.signature_ids = ids
             for model in models:
                 recorder.watch_modules(model)

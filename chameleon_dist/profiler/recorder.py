@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chameleon_dist.profiler.scope import TrainingScope, is_layer_path, layer_of
+from chameleon_dist.device.base import DeviceTimer, HostTimer
+from chameleon_dist.profiler.scope import LayerTimes, TrainingScope, is_layer_path, layer_of
 from chameleon_dist.profiler.signature import OpVocabulary
 from chameleon_dist.trace.writes import WrittenTensors
 from chameleon_dist.trace.step_trace import (
@@ -34,7 +35,8 @@ from chameleon_dist.trace.step_trace import (
 
 class TraceRecorder(TorchDispatchMode):
     """Records one iteration. Enter it (after the device's metering) around the iteration; ``finish``
-    returns the ``StepTrace``."""
+    returns the ``StepTrace``. ``timer`` (the device's ``timer()``; default: the host clock) times the
+    layers: on a GPU it must be the device's, since host clocks in hooks measure kernel launches."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class TraceRecorder(TorchDispatchMode):
         iteration: int,
         emulated: bool,
         scope: TrainingScope | None = None,
+        timer: DeviceTimer | None = None,
     ) -> None:
         super().__init__()
         self._scope = scope if scope is not None else TrainingScope()
@@ -70,8 +73,7 @@ class TraceRecorder(TorchDispatchMode):
         self._watched: dict[int, tuple[int, int, weakref.ReferenceType]] = {}  # id(ref) -> (key, storage id, ref)
         self._module_stack: list[int] = []
         self._module_layers: list[int] = []
-        self._layer_start_s: dict[int, float] = {}
-        self.layer_times_s: dict[int, float] = {}
+        self.layer_times = LayerTimes(timer if timer is not None else HostTimer())
         self._micro_batch = 0
         self._last_phase = FORWARD
         self._start_s = time.perf_counter()
@@ -97,8 +99,7 @@ class TraceRecorder(TorchDispatchMode):
         self.ops, self.tensors, self.storages, self.swaps, self.saves = [], [], [], [], []
         self.save_sites = []
         self._module_stack.clear()
-        self._layer_start_s.clear()
-        self.layer_times_s.clear()
+        self.layer_times.reset()
         self._micro_batch = 0
         self._last_phase = FORWARD
         self.optimizer_active = False
@@ -119,7 +120,7 @@ class TraceRecorder(TorchDispatchMode):
         def hook(module, args):
             self._module_stack.append(module_id)
             if layer >= 0 and torch._C._current_graph_task_id() == -1:
-                self._layer_start_s[layer] = time.perf_counter()
+                self.layer_times.enter(layer, args)
 
         return hook
 
@@ -127,9 +128,8 @@ class TraceRecorder(TorchDispatchMode):
         def hook(module, args, output):
             if self._module_stack:
                 self._module_stack.pop()
-            start = self._layer_start_s.pop(layer, None) if layer >= 0 else None
-            if start is not None:
-                self.layer_times_s[layer] = self.layer_times_s.get(layer, 0.0) + time.perf_counter() - start
+            if layer >= 0:
+                self.layer_times.leave(layer, output)
 
         return hook
 
@@ -268,11 +268,14 @@ class TraceRecorder(TorchDispatchMode):
 
     # ---- result -----------------------------------------------------------------------------
     def finish(self) -> StepTrace:
+        """The trace. Layer times are read here, after one wait for the device (on a GPU, the iteration's
+        time then includes its queued kernels too)."""
         self._finished = True
         self._watched.clear()  # drops the death callbacks (and the cycle through them)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        forward_s, backward_s = self.layer_times.resolve()
         self.ops = [OpRecord(*row) for row in self.ops]
         return StepTrace(
             iteration=self.iteration,
@@ -284,7 +287,8 @@ class TraceRecorder(TorchDispatchMode):
             swaps=self.swaps,
             iteration_s=time.perf_counter() - self._start_s,
             start_live_bytes=self._start_live_bytes,
-            layer_times_s=dict(self.layer_times_s),
+            layer_times_s=forward_s,
+            layer_backward_times_s=backward_s,
             saves=self.saves,
             save_sites=self.save_sites,
             emulated=self.emulated,

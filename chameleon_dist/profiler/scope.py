@@ -9,16 +9,24 @@ own bookkeeping ops (copies, restores) from the profiler, so the sequence descri
 
 ``LayerClock``: which transformer layer (a module at ``layers.<i>``, ``blocks.<i>``, ``h.<i>`` or
 ``layer.<i>``) of the attached models is running, in every iteration (two hooks per layer call).
+
+``LayerTimes``: how long each layer's forward and backward took in a profiled iteration, measured with the
+device's timer (CUDA events on a GPU, the host clock on the emulated device).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
+
+from chameleon_dist.device.base import DeviceTimer
+
+logger = logging.getLogger(__name__)
 
 
 _LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|blocks|h|layer)\.(\d+)(?:\.|$)")
@@ -98,3 +106,93 @@ class TrainingScope:
             yield
         finally:
             self.paused = before
+
+
+def _grad_node(values: Any):
+    """The autograd node that produced the first tensor with one among ``values`` (a tensor, or a tuple or
+    list of them, as modules take and return them), else None."""
+    for value in values if isinstance(values, (tuple, list)) else (values,):
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            return value.grad_fn
+    return None
+
+
+class LayerTimes:
+    """Forward and backward time per transformer layer in one profiled iteration (summed over its calls,
+    e.g. one per micro-batch), measured with ``timer``: a ``DeviceTimer``, so that on a GPU the times are the
+    kernels' execution, read once after the iteration, not the host's time to launch them.
+
+    Forward: a mark when the layer is entered and one when it returns (outside backward: a checkpointed
+    layer recomputed inside backward is not counted again). Backward: a pre-hook on the autograd node that
+    produced the layer's output marks the start of the layer's backward (its output gradient is complete),
+    a pre-hook on the node that produced the layer's input marks its end (the input gradient is complete,
+    from the residual branch and the layer alike). Node hooks leave the graph and the op sequence unchanged,
+    unlike module backward hooks, which wrap inputs and outputs in extra autograd functions (and would make
+    profiled iterations' op sequences differ from the others'). A layer whose input needs no gradient, or
+    whose output is not used by the loss, has no backward time; one whose input also feeds later layers
+    directly gets the time until those are done too."""
+
+    def __init__(self, timer: DeviceTimer) -> None:
+        self.timer = timer
+        self._open: dict[int, tuple[object, object]] = {}  # layer -> (start mark, its input's grad node)
+        self._forward: list[tuple[int, object, object]] = []  # (layer, start mark, end mark)
+        self._backward: list[list] = []  # [layer, start mark or None, end mark or None]
+        self._hooks: list = []
+        self._closed = False
+
+    def enter(self, layer: int, args: Any) -> None:
+        """A layer's forward begins (from its forward pre-hook, outside backward)."""
+        self._open[layer] = (self.timer.mark(), _grad_node(args))
+
+    def leave(self, layer: int, output: Any) -> None:
+        """A layer's forward returned ``output`` (from its forward hook)."""
+        opened = self._open.pop(layer, None)
+        if opened is None:
+            return
+        start, input_node = opened
+        self._forward.append((layer, start, self.timer.mark()))
+        output_node = _grad_node(output)
+        if input_node is not None and output_node is not None:
+            span = [layer, None, None]
+            self._backward.append(span)
+            self._hooks.append(output_node.register_prehook(self._marker(span, 1)))
+            self._hooks.append(input_node.register_prehook(self._marker(span, 2)))
+
+    def _marker(self, span: list, slot: int):
+        def hook(grad_outputs):
+            if not self._closed and span[slot] is None:
+                span[slot] = self.timer.mark()
+
+        return hook
+
+    def reset(self) -> None:
+        """Forget everything measured so far (an out-of-memory retry starts the iteration over)."""
+        self._remove_hooks()
+        self._open.clear()
+        self._forward, self._backward = [], []
+
+    def resolve(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Stop measuring, wait once for the device to reach every mark, and return ``(forward, backward)``
+        seconds per layer. A device that cannot synchronise (after a failed iteration) yields no times
+        rather than masking the iteration's own error."""
+        self._closed = True
+        self._remove_hooks()
+        forward: dict[int, float] = {}
+        backward: dict[int, float] = {}
+        try:
+            self.timer.resolve()
+        except RuntimeError as exc:
+            logger.warning("layer times unavailable: the device could not synchronise (%s)", exc)
+            return forward, backward
+        elapsed_s = self.timer.elapsed_s
+        for layer, start, end in self._forward:
+            forward[layer] = forward.get(layer, 0.0) + elapsed_s(start, end)
+        for layer, start, end in self._backward:
+            if start is not None and end is not None:
+                backward[layer] = backward.get(layer, 0.0) + elapsed_s(start, end)
+        return forward, backward
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

@@ -77,7 +77,10 @@ class StepTrace:
     swaps: list[SwapRecord]
     iteration_s: float
     start_live_bytes: int
-    layer_times_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    layer_times_s: dict[int, float] = dataclasses.field(default_factory=dict)  # forward, per layer
+    # backward seconds per layer (from its output's gradient to its input's); traces written before this
+    # field existed read as {} (an addition that needs no schema version: older readers ignore it)
+    layer_backward_times_s: dict[int, float] = dataclasses.field(default_factory=dict)
     # (tensor id, op index) per tensor autograd saved, in save order; the op index counts the ops recorded
     # when it was saved, so the saving op is ``ops[op_index - 1]``
     saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -156,6 +159,7 @@ class StepTrace:
             "op_names": self.op_names,
             "module_paths": self.module_paths,
             "layer_times_s": {str(k): v for k, v in self.layer_times_s.items()},
+            "layer_backward_times_s": {str(k): v for k, v in self.layer_backward_times_s.items()},
             "saves": [list(save) for save in self.saves],
             "save_sites": list(self.save_sites),
             "ops": [dataclasses.astuple(op) for op in self.ops],
@@ -182,6 +186,7 @@ class StepTrace:
             iteration_s=data["iteration_s"],
             start_live_bytes=data["start_live_bytes"],
             layer_times_s={int(k): v for k, v in data.get("layer_times_s", {}).items()},
+            layer_backward_times_s={int(k): v for k, v in data.get("layer_backward_times_s", {}).items()},
             saves=[(int(t), int(i)) for t, i in data.get("saves", [])],
             save_sites=[str(site) for site in data.get("save_sites", [])],
             emulated=data["emulated"],
