@@ -251,6 +251,7 @@ class Chameleon:
             attempt_stall_s=self.device.stall_s() - running.attempt_stall_start_s,
             passive_swaps=counters.passive_swaps, oom_retries=running.oom_retries,
             profiled=observation.recorder is not None, saved_bytes=sum(counters.saved_bytes),
+            passive_swap_bytes=counters.passive_swap_bytes,
         )
         over_budget = self.controller.record(outcome)
         # passive swaps the controller absorbed (it scaled the policy to a new shape) restart nothing

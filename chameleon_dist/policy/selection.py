@@ -10,14 +10,18 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
 - **WarmUp** applies the last chosen policy to what it matches confidently, or swaps every eligible tensor
   when there is none yet or the last WarmUp iteration under it needed passive swaps or a retry.
 - **GenPolicy** generates candidates from the latest detailed trace (the paper generates n=5) and tries
-  one per iteration; trial outcomes feed back into the next generation (a missed budget makes the next
-  policies aim lower, a mispredicted compute time rescales the trace's op times).
+  one per iteration; trial outcomes feed back into the next generation (a peak over the budget or passive
+  swaps under a policy predicted to fit make the next policies aim lower by what it missed, and the
+  trials go on; a mispredicted compute time rescales the trace's op times). When no policy is predicted
+  to fit, the closest ones are tried, passive swap taking the remainder (``policy.trials``).
 - **Stable** applies the fastest policy that held with headroom: its measured peak at least the largest
   move of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must
-  stay under. A Stable peak over the budget but within the device's capacity tightens the policy in place
-  (the shortfall added to the reduction the policy aims for, a new policy generated from the same trace,
-  no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per choice; only the next overshoot, or one above
-  the capacity, sends the runtime back to WarmUp.
+  stay under; or swaps everything, when that was measured faster than every policy that held (the last
+  resort). A policy predicted short passive-swaps in Stable by design: as long as about what its trials
+  measured, that restarts nothing (``absorbed_passive_swaps``). A Stable peak over the budget but within
+  the device's capacity tightens the policy in place (the shortfall added to the reduction the policy aims
+  for, a new policy generated from the same trace, no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per
+  choice; only the next overshoot, or one above the capacity, sends the runtime back to WarmUp.
 - **Shapes never seen before** (a longer sequence, a bigger batch: more bytes saved for backward than in
   the traced iteration) are handled by scaling first: when the chosen policy needs passive swaps or goes
   over the budget on such an iteration, a policy is generated from the same trace grown to the new size
@@ -28,7 +32,6 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import time
 import types
@@ -37,82 +40,37 @@ from typing import Mapping
 from chameleon_dist.policy.generator import generate_policies
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
-from chameleon_dist.policy.scaling import grown
+from chameleon_dist.policy.outcome import IterationOutcome, RetryAction
+from chameleon_dist.policy.tightening import (
+    GROWTH_TOLERANCE,
+    MAX_IN_PLACE_TIGHTENINGS,
+    policies_for,
+    stricter_than,
+)
+from chameleon_dist.policy.trials import (
+    TrialResult,
+    choose,
+    compute_only,
+    fastest_fitting_else_lowest,
+    next_trial,
+    passive_swaps_expected,
+    trial_feedback,
+    trial_held,
+    trial_order,
+)
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
 
+__all__ = ["IterationOutcome", "MAX_IN_PLACE_TIGHTENINGS", "PolicyController", "RetryAction", "TrialResult"]
+
 logger = logging.getLogger(__name__)
 
-STALL_TOLERANCE = 0.02  # of the iteration: more unpredicted stall than this triggers a timing rescale
-TIME_TOLERANCE = 0.25  # ... when the measured compute time is this far from the trace's
-
 STRICTER_SHARE = 0.1
-"""After a passive swap under a policy, the next policies aim this share of the needed reduction (no-swap
-peak - budget) further under the budget."""
-
-MAX_IN_PLACE_TIGHTENINGS = 3
-"""Stable peaks over the budget (within the capacity) absorbed by tightening the chosen policy in place;
-the next one sends the runtime back to WarmUp. The k-th adds 2**(k-1) times its shortfall to the reduction
-the policy aims for (a policy that missed again needs more than its last miss), and doubles that step up
-to ``STRICTER_SEARCH_STEPS`` times until a policy predicted lower than the one that went over comes out."""
-
-STRICTER_SEARCH_STEPS = 6
-
-GROWTH_TOLERANCE = 0.05
-"""Saved bytes this much (relative) above what the chosen policy was made for make an iteration a new,
-larger shape, which is scaled for before the runtime profiles again."""
-
-MIN_COMPUTE_SHARE = 1 / 20
-"""The profiled iteration's compute time is taken as at least this share of its measured time, however
-much of it the swap-everything executor stalled."""
-
-
-@dataclasses.dataclass(frozen=True)
-class IterationOutcome:
-    """What one completed iteration did, as the controller needs it. ``passive_swaps`` are those of the
-    attempt that completed; ``oom_retries`` counts the attempts that did not."""
-
-    iteration: int
-    stage: Stage
-    policy: Policy | None  # the policy the iteration started with (None: every eligible tensor swapped)
-    peak_bytes: int
-    iteration_s: float
-    stall_s: float  # the whole iteration's, failed attempts included
-    attempt_stall_s: float  # the completed attempt's
-    passive_swaps: int
-    oom_retries: int
-    profiled: bool  # a detailed trace of this iteration was recorded (WarmUp)
-    saved_bytes: int = 0  # bytes autograd saved for backward in the completed attempt
-
-
-@dataclasses.dataclass(frozen=True)
-class TrialResult:
-    """One GenPolicy trial: a policy, what it measured, and whether it held (peak within what a policy
-    must stay under, no passive swap, no out-of-memory retry)."""
-
-    policy: Policy
-    iteration_s: float
-    peak_bytes: int
-    held: bool
-
-
-class RetryAction(enum.StrEnum):
-    """What the next attempt of an iteration that ran out of memory does differently."""
-
-    SWAP_EVERYTHING = "swap_everything"  # the applied policy did not hold: drop it for this iteration
-    WAIT_FOR_HOST = "wait_for_host"  # the host budget refused swaps: swapping more cannot help
-    RETRY_AS_IS = "retry_as_is"  # already everything is swapped: a transient shortage may pass
-    LOWER_MIN_SWAP = "lower_min_swap"  # swap smaller tensors too (``min_swap_bytes`` goes down)
-
-
-def _fastest_fitting_else_lowest(policies: list[Policy]) -> Policy:
-    """The policy applied without trials: the fastest predicted to fit, else the one predicted lowest."""
-    feasible = [p for p in policies if p.feasible]
-    if feasible:
-        return min(feasible, key=lambda p: p.predicted_iteration_s)
-    return min(policies, key=lambda p: p.predicted_peak_bytes)
-
+"""A policy that stopped holding makes the next policies aim further under the budget by what it missed
+(the bytes passive swap moved, the peak over what it had to stay under), and by at least this share of
+the needed reduction (no-swap peak - budget) when it fails outside a trial (out of memory, Stable) or by an
+amount not known. A trial's known miss is added as measured: the trials go on, each narrower."""
 
 class PolicyController:
     """Chooses, tries, keeps and tightens swap policies for one runtime.
@@ -154,7 +112,8 @@ class PolicyController:
         self.generation_s = 0.0
         self.headroom_bytes = 0  # how much one policy's peak moved between its trials, when one was chosen
         self.tightened_in_place = False  # the latest recorded iteration tightened the chosen policy in place
-        self.absorbed_passive_swaps = False  # ... and its passive swaps were absorbed by scaling the policy
+        self.absorbed_passive_swaps = False  # ... and its passive swaps restart nothing (a trial's, a new shape
+        # scaled for, or the remainder a policy predicted short was kept to leave to passive swap)
         self._scaled_for = 1.0  # the chosen policy is made for this many times the trace's saved bytes
         self._trace_saved_bytes: dict[int, int] = {}  # saved bytes of the profiled iteration, by iteration
         self._in_place_left = 0  # in-place tightenings the chosen policy may still take
@@ -162,10 +121,10 @@ class PolicyController:
         self._min_swap_bytes = settings.min_swap_bytes  # ... and with
         self._regenerate = False  # trial feedback asks for new policies before the next trial
         self._need_policies = False  # a GenPolicy stage began: generate before its first trial
-        self._infeasible_failed = False  # a policy predicted not to fit was tried and did not hold
         self._needed_bytes = 0  # no-swap peak - budget of the latest trace
         self._warmup_unsafe = False  # the chosen policy needed passive swaps or a retry in WarmUp
         self._swap_all_peak_bytes = 0  # peak of the latest WarmUp iteration that swapped everything
+        self._swap_all_iteration_s: float | None = None  # ... its time (any stage), since the latest WarmUp began
         self._trace_stall_s: dict[int, float] = {}  # stall of the profiled iteration, by iteration
 
     # ---- read API ---------------------------------------------------------------------------
@@ -203,8 +162,9 @@ class PolicyController:
                 self._need_policies = False
                 if trace is None:
                     return None
-                self._generate(self._compute_only(trace), min_swap_bytes)
-            return self._next_trial()
+                stall_s = self._trace_stall_s.get(trace.iteration, 0.0)
+                self._generate(compute_only(trace, stall_s, self.time_scale), min_swap_bytes)
+            return next_trial(self.candidates, self.results)
         if stage == Stage.STABLE:
             return self.chosen
         return None
@@ -216,17 +176,22 @@ class PolicyController:
         policy, allowed = outcome.policy, self.allowed_peak_bytes
         self.tightened_in_place = self.absorbed_passive_swaps = False
         if outcome.stage == Stage.GEN_POLICY and policy is not None:
-            held = outcome.peak_bytes <= allowed and not outcome.passive_swaps and not outcome.oom_retries
+            held = trial_held(policy, outcome.peak_bytes, allowed, outcome.passive_swaps, outcome.oom_retries)
             # a trial on a shape larger than the traced one that failed, failed for the shape: it counts as
             # not held, but neither aims the next policies lower nor stops the other trials (scaling comes
             # first once a policy is chosen)
             grew = self._growth(outcome) > 1 + GROWTH_TOLERANCE
-            self._record_trial(policy, outcome.iteration_s, outcome.peak_bytes, held, outcome.stall_s, grew)
-            self.absorbed_passive_swaps = bool(outcome.passive_swaps and not outcome.oom_retries and grew)
-        if outcome.stage == Stage.WARMUP and policy is None and not outcome.oom_retries:
-            self._swap_all_peak_bytes = outcome.peak_bytes
-        if outcome.stage == Stage.WARMUP:  # the chosen policy is kept in WarmUp only while it holds without help
-            self._warmup_unsafe = bool(policy is not None and (outcome.passive_swaps or outcome.oom_retries))
+            self._record_trial(outcome, held, grew)
+            # a trial's passive swaps are its result, fed back into the next policies (``_record_trial``):
+            # profiling again would only swap everything for warmup_iterations and then trace the same job
+            self.absorbed_passive_swaps = bool(outcome.passive_swaps and not outcome.oom_retries)
+        if policy is None and not outcome.oom_retries:  # what the last resort measured, to compare trials with
+            self._swap_all_iteration_s = outcome.iteration_s
+            if outcome.stage == Stage.WARMUP:
+                self._swap_all_peak_bytes = outcome.peak_bytes
+        if outcome.stage == Stage.WARMUP:  # the chosen policy is kept in WarmUp only while it holds as expected
+            self._warmup_unsafe = bool(policy is not None and (outcome.oom_retries or (
+                outcome.passive_swaps and not self._expected_passive_swaps(policy, outcome))))
         if outcome.profiled:  # the stall and saved bytes of the iteration the next policies are built from
             self._trace_stall_s = {outcome.iteration: outcome.attempt_stall_s}
             self._trace_saved_bytes = {outcome.iteration: outcome.saved_bytes}
@@ -236,12 +201,22 @@ class PolicyController:
         if failed and not outcome.oom_retries and self._scale_for(outcome):
             self.absorbed_passive_swaps = bool(outcome.passive_swaps)
             return ""
+        if outcome.peak_bytes <= allowed and self._expected_passive_swaps(policy, outcome):
+            self.absorbed_passive_swaps = True  # the remainder of a policy predicted short, as its trials had
+            return ""
         if outcome.peak_bytes > allowed:
             reason = (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
                       f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
             if outcome.passive_swaps or not self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason):
                 return reason
         return ""
+
+    def _expected_passive_swaps(self, policy: Policy, outcome: IterationOutcome) -> bool:
+        """``outcome``'s passive swaps (without an out-of-memory retry) under the chosen ``policy`` are what
+        its trials measured (``policy.trials.passive_swaps_expected``): a policy predicted short, kept with
+        passive swap for the remainder."""
+        return (policy is self.chosen and bool(outcome.passive_swaps) and not outcome.oom_retries
+                and passive_swaps_expected(self.results, policy, outcome.passive_swap_bytes))
 
     def _scale_for(self, outcome: IterationOutcome) -> bool:
         """The chosen policy failed on an iteration that saved more than the traced one: a policy from the
@@ -251,10 +226,10 @@ class PolicyController:
         growth = self._growth(outcome)
         if growth <= self._scaled_for * (1 + GROWTH_TOLERANCE):
             return False
-        policies = self._policies_for(growth)
+        policies = policies_for(self._trace, growth, self._settings_now())
         if not policies:
             return False
-        best = _fastest_fitting_else_lowest(policies)  # (the grown trace is a model: the closest is worth a try)
+        best = fastest_fitting_else_lowest(policies)  # (the grown trace is a model: the closest is worth a try)
         self.chosen = best
         self.version += 1
         self._scaled_for = growth
@@ -269,10 +244,9 @@ class PolicyController:
         traced = self._trace_saved_bytes.get(self._trace.iteration, 0) if self._trace is not None else 0
         return outcome.saved_bytes / traced if traced and outcome.saved_bytes else 1.0
 
-    def _policies_for(self, growth: float) -> list[Policy]:
-        """Policies, without trials, from the latest trace grown ``growth`` times (``policy.scaling``)."""
-        settings = dataclasses.replace(self.settings, min_swap_bytes=self._min_swap_bytes, reserve_bytes=self.reserve_bytes)
-        return generate_policies(grown(self._trace, growth), settings).policies
+    def _settings_now(self) -> PolicySettings:
+        """What the latest generation worked with: the settings, its ``min_swap_bytes``, the reserve now."""
+        return dataclasses.replace(self.settings, min_swap_bytes=self._min_swap_bytes, reserve_bytes=self.reserve_bytes)
 
     def _tighten_in_place(self, policy: Policy, shortfall_bytes: int, reason: str) -> bool:
         """A Stable overshoot within the capacity: a stricter policy from the same trace, without trials.
@@ -282,18 +256,11 @@ class PolicyController:
         if not within_capacity or self._in_place_left <= 0 or self._trace is None or policy is not self.chosen:
             return False
         step_bytes = max(1, 2 ** (MAX_IN_PLACE_TIGHTENINGS - self._in_place_left) * shortfall_bytes)
-        stricter: list[Policy] = []
-        for _ in range(STRICTER_SEARCH_STEPS):  # a policy predicted lower than the one that went over
-            self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + step_bytes)
-            policies = self._policies_for(self._scaled_for)
-            stricter = [p for p in policies if p.predicted_peak_bytes < policy.predicted_peak_bytes]
-            if stricter or self.reserve_bytes >= self.settings.budget_bytes:
-                break
-            step_bytes *= 2
+        stricter, self.reserve_bytes = stricter_than(policy, self._trace, self._scaled_for, self._settings_now(), step_bytes)
         if not stricter:
             logger.info("%s; no stricter policy is predicted: profiling again", reason)
             return False
-        best = _fastest_fitting_else_lowest(stricter)
+        best = fastest_fitting_else_lowest(stricter)
         self._in_place_left -= 1
         self.chosen = best
         self.version += 1
@@ -309,6 +276,8 @@ class PolicyController:
         stricter."""
         if transition is None:
             return
+        if transition.after == Stage.WARMUP and transition.before != Stage.WARMUP:
+            self._swap_all_iteration_s = None  # measured on another sequence: WarmUp measures it again
         if transition.after == Stage.GEN_POLICY:
             self._need_policies = True
         elif transition.after == Stage.STABLE:
@@ -317,7 +286,7 @@ class PolicyController:
             transition.cause == TransitionCause.OVER_BUDGET
             or (transition.cause == TransitionCause.PASSIVE_SWAP and outcome.passive_swaps)
         ):
-            self._tighten(outcome.policy)
+            self._tighten(outcome.policy, max(outcome.passive_swap_bytes, outcome.peak_bytes - self.allowed_peak_bytes))
 
     def on_out_of_memory(self, policy_applied: Policy | None, refused_bytes: int, min_swap_bytes: int) -> RetryAction:
         """An attempt ran out of memory; what the retry changes. ``policy_applied`` is the policy the failed
@@ -333,23 +302,12 @@ class PolicyController:
         return RetryAction.LOWER_MIN_SWAP
 
     # ---- generation and trials --------------------------------------------------------------
-    def _compute_only(self, trace: StepTrace) -> StepTrace:
-        """The trace with every time scaled to compute only: the profiled iteration's stalls were the
-        swap-everything executor's waits. Measured layer times shrink alike (they carry the detailed
-        recorder's cost and the forward pass's share of the stalls too)."""
-        stall_s = self._trace_stall_s.get(trace.iteration, 0.0)
-        compute_s = max(trace.iteration_s - stall_s, trace.iteration_s * MIN_COMPUTE_SHARE)
-        scale = compute_s * self.time_scale / max(trace.iteration_s, 1e-12)
-        return dataclasses.replace(
-            trace, iteration_s=trace.iteration_s * scale,
-            layer_times_s={layer: t * scale for layer, t in trace.layer_times_s.items()},
-        )
-
     def _generate(self, trace: StepTrace, min_swap_bytes: int) -> None:
-        settings = dataclasses.replace(self.settings, min_swap_bytes=min_swap_bytes, reserve_bytes=self.reserve_bytes)
+        self._min_swap_bytes = min_swap_bytes
+        settings = self._settings_now()
         start = time.perf_counter()
         result = generate_policies(trace, settings)
-        self._trace, self._min_swap_bytes = trace, min_swap_bytes
+        self._trace = trace
         self._needed_bytes = max(0, result.no_swap_peak_bytes - settings.budget_bytes)
         self.generation_s = time.perf_counter() - start
         self._regenerate = False
@@ -358,94 +316,82 @@ class PolicyController:
             # feedback made the model stricter than reality: keep trying what already held
             logger.info("regenerated policies are predicted not to fit; keeping the ones that held")
             return
-        # A policy the simulator says does not fit is tried only when none does (smallest shortfall
-        # first): the trial shows whether it beats the swap-everything executor behind it. Once such a
-        # policy failed, none is tried: swapping everything (with passive swap behind it) is safer.
-        self.candidates = feasible or ([] if self._infeasible_failed else list(result.policies))
+        # none predicted to fit: every policy, the closest first; passive swap absorbs the remainder and
+        # the trials measure whether that beats swapping every eligible tensor (``policy.trials``)
+        self.candidates = trial_order(result.policies)
         best = result.best
         logger.info(
-            "generated %d policies (%d predicted to fit, %d to try) from iteration %d in %.3f s; best: %s",
-            len(result.policies), len(feasible), len(self.candidates), trace.iteration, self.generation_s,
-            best.summary().splitlines()[0] if best else "none",
+            "generated %d policies (%d predicted to fit) from iteration %d in %.3f s, aiming %s under the "
+            "budget; best: %s", len(result.policies), len(feasible), trace.iteration, self.generation_s,
+            format_bytes(self.reserve_bytes), best.summary().splitlines()[0] if best else "none",
         )
         if best is not None and not best.feasible:
-            logger.warning("no policy is predicted to fit the memory budget (%s); %s", best.reason,
-                           "swapping every eligible tensor (such a policy already failed)" if self._infeasible_failed
-                           else "trying the closest ones")
+            logger.warning("no policy is predicted to fit the memory budget (%s); trying the closest ones, passive "
+                           "swap taking the remainder", best.reason)
 
-    def _next_trial(self) -> Policy | None:
-        """The next candidate not tried yet since the last generation (cycling when all were)."""
-        if not self.candidates:
-            return None
-        tried = {id(r.policy) for r in self.results}
-        fresh = [p for p in self.candidates if id(p) not in tried]
-        return fresh[0] if fresh else self.candidates[len(self.results) % len(self.candidates)]
-
-    def _record_trial(self, policy: Policy, iteration_s: float, peak_bytes: int, held: bool, stall_s: float,
-                      grew: bool = False) -> None:
-        """One trial's outcome, fed back into the next generation:
-
-        - a policy that went over the budget makes the next ones aim lower by as much as it missed (not
-          when the iteration ``grew``: saved more than the traced one);
-        - a policy that stalled more than predicted because the trace's op times were off (the profiled
-          iteration ran with the detailed recorder, whose cost is not the job's) rescales the op times
-          by the compute time this iteration actually took."""
-        budget_bytes = self.settings.budget_bytes
-        self.results.append(TrialResult(policy, iteration_s, peak_bytes, held))
-        compute_s = max(iteration_s - stall_s, 1e-9)
-        ratio = compute_s / max(policy.compute_s, 1e-9)
-        stalled = policy.predicted_stall_s + STALL_TOLERANCE * iteration_s < stall_s < iteration_s / 2
-        if stalled and abs(ratio - 1) > TIME_TOLERANCE:  # (a link-bound trial says little about compute)
-            self.time_scale *= ratio
+    def _record_trial(self, outcome: IterationOutcome, held: bool, grew: bool) -> None:
+        """One trial's outcome, fed back into the next generation (``policy.trials.trial_feedback``): op
+        times rescaled when they were off, the next policies aiming lower by what the trial missed."""
+        policy = outcome.policy
+        assert policy is not None
+        self.results.append(TrialResult(policy, outcome.iteration_s, outcome.peak_bytes, held, outcome.passive_swap_bytes))
+        feedback = trial_feedback(outcome, self.settings.budget_bytes, self._stricter_step_bytes(), grew)
+        if feedback.time_ratio is not None:
+            self.time_scale *= feedback.time_ratio
             self._regenerate = True
-            logger.info("policy %s stalled %.1f ms (predicted %.1f): op times rescaled by %.2f",
-                        policy.name, stall_s * 1e3, policy.predicted_stall_s * 1e3, ratio)
-        if peak_bytes > budget_bytes and peak_bytes > policy.predicted_peak_bytes and not grew:
-            miss = peak_bytes - max(policy.predicted_peak_bytes, 1)
-            self.reserve_bytes = min(budget_bytes, self.reserve_bytes + miss)
+            logger.info("policy %s stalled %.1f ms (predicted %.1f): op times rescaled by %.2f", policy.name,
+                        outcome.stall_s * 1e3, policy.predicted_stall_s * 1e3, feedback.time_ratio)
+        if feedback.miss_bytes:
+            self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + feedback.miss_bytes)
             self._regenerate = True
-            logger.info("policy %s peaked %s above its prediction: next policies aim %s under the budget",
-                        policy.name, format_bytes(miss), format_bytes(self.reserve_bytes))
+            logger.info("policy %s %s %s more than predicted: next policies aim %s under the budget", policy.name,
+                        feedback.miss, format_bytes(feedback.miss_bytes), format_bytes(self.reserve_bytes))
+
+    def _stricter_step_bytes(self) -> int:
+        """``STRICTER_SHARE`` of the needed reduction of the latest trace (at least one byte)."""
+        return max(1, int(STRICTER_SHARE * self._needed_bytes))
 
     def _choose(self) -> None:
-        """Keep the fastest policy that held with headroom (per policy: its best trial); the fastest that
-        held when none has headroom; none when none held. The headroom is how much one policy's peak moved
-        between its trials (``_peak_variation_bytes``): what timing jitter, routing and shapes move a
-        peak by. (Not the spread of prediction errors across policies: a policy predicted far off, such as
-        swapping everything on a slow link, would make every fast one look short of room.)"""
-        held = [r for r in self.results if r.held]
+        """Keep what ``policy.trials.choose`` says: the fastest policy that held with headroom (how much one
+        policy's peak moved between its trials), the fastest that held when none has it, none (swap every
+        eligible tensor) when none held or when swapping everything was measured faster than every policy
+        that held."""
         self.chosen = None
         if not self.results:
             return
-        if not held:
-            logger.warning(
-                "none of %d policy trials held the memory budget; swapping every eligible tensor until the "
-                "next policy (lower memory_budget or min_swap_bytes if this repeats)", len(self.results),
-            )
+        choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s)
+        if choice.best is None:
+            if choice.swap_all_faster:
+                logger.warning(
+                    "swapping every eligible tensor was measured faster (%.1f ms/iteration) than every policy that "
+                    "held (fastest %.1f ms): swapping everything until the next policy", self._swap_all_iteration_s
+                    * 1e3, min(r.iteration_s for r in self.results if r.held) * 1e3)
+            else:
+                logger.warning(
+                    "none of %d policy trials held the memory budget; swapping every eligible tensor until the "
+                    "next policy (lower memory_budget or min_swap_bytes if this repeats)", len(self.results))
             return
-        self.headroom_bytes = self._peak_variation_bytes()
-        roomy = [r for r in held if r.peak_bytes + self.headroom_bytes <= self.allowed_peak_bytes]
-        best = min(roomy or held, key=lambda r: r.iteration_s)
+        best = choice.best
+        self.headroom_bytes = choice.headroom_bytes
         self.chosen = best.policy
         self.version += 1
         self._in_place_left = MAX_IN_PLACE_TIGHTENINGS
         self._scaled_for = 1.0
         logger.info(
-            "policy %s chosen (v%d): %.1f ms/iteration, peak %s (headroom %s%s)", best.policy.name, self.version,
+            "policy %s chosen (v%d): %.1f ms/iteration, peak %s (headroom %s%s)%s", best.policy.name, self.version,
             best.iteration_s * 1e3, format_bytes(best.peak_bytes), format_bytes(self.headroom_bytes),
-            "" if roomy else "; no trial had it",
+            "" if choice.roomy else "; no trial had it",
+            f"; predicted short, passive swap takes {format_bytes(best.passive_swap_bytes)}"
+            if best.passive_swap_bytes else "",
         )
 
-    def _peak_variation_bytes(self) -> int:
-        """How much the peak of one policy moved between its trials (timing jitter, routing, shapes): the
-        largest spread over the policies tried more than once, 0 when none was."""
-        peaks: dict[int, list[int]] = {}
-        for r in self.results:
-            peaks.setdefault(id(r.policy), []).append(r.peak_bytes)
-        return max((max(p) - min(p) for p in peaks.values() if len(p) > 1), default=0)
-
-    def _tighten(self, failed: Policy | None) -> None:
-        if failed is not None and not failed.feasible:
-            self._infeasible_failed = True
-        self.reserve_bytes += max(1, int(STRICTER_SHARE * self._needed_bytes))
-        logger.info("the policy did not hold: the next policies aim %s under the budget", format_bytes(self.reserve_bytes))
+    def _tighten(self, failed: Policy | None, missed_bytes: int = 0) -> None:
+        """A policy stopped holding (out of memory, a passive swap, a Stable peak over the budget): the next
+        policies aim lower by what it missed, at least ``STRICTER_SHARE`` of the needed reduction, and any
+        GenPolicy generates again. A policy predicted short that failed does not stop the next trials (it
+        did before issue 13: swapping everything from then on): the closest is still tried."""
+        step_bytes = max(missed_bytes, self._stricter_step_bytes())
+        self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + step_bytes)
+        self._regenerate = True
+        logger.info("policy %s did not hold: the next policies aim %s under the budget",
+                    failed.name if failed is not None else "(none)", format_bytes(self.reserve_bytes))

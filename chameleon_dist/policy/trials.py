@@ -1,0 +1,192 @@
+"""GenPolicy trials: which policies are tried in what order, which trial held, and which one Stable keeps.
+
+Pure functions over ``TrialResult`` lists; ``PolicyController`` (``policy/selection.py``) owns the state and
+calls them. They live apart so that the rules a tight budget depends on are in one short place:
+
+- **Order.** Policies predicted to fit are tried, fastest predicted first. When none is (a budget just
+  under the peak on a slow link: the generator says the link cannot move enough in time), every policy
+  is tried, the smallest predicted shortfall first: passive swap absorbs the remainder, and the trial
+  measures whether that beats swapping every eligible tensor. Before this, one such policy that failed
+  meant swapping everything for good, 12-23x the unconstrained time to save a fraction of a percent of
+  memory (issue 13).
+- **Held.** A trial holds when it completed without an out-of-memory retry and its peak stayed within what
+  a policy must stay under. A policy predicted to fit must also need no passive swap (one that did
+  missed, and the next policies aim lower by what it missed); a policy predicted short was tried knowing
+  that passive swap takes the remainder, so its passive swaps are its expected cost, measured in its time.
+- **Choice.** The fastest trial that held with headroom, compared on measured iteration time with the
+  swap-everything executor's (measured in WarmUp): swapping everything is the last resort, kept only when
+  it was measured faster than every policy that held.
+- **Feedback.** What a trial missed (its peak over its prediction, the bytes passive swap moved under a
+  policy predicted to fit) makes the next policies aim that much lower; a trial that stalled for op times
+  the trace had wrong rescales them (``trial_feedback``, ``compute_only``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from chameleon_dist.policy.model import Policy
+from chameleon_dist.policy.outcome import IterationOutcome
+from chameleon_dist.trace.step_trace import StepTrace
+
+STALL_TOLERANCE = 0.02  # of the iteration: more unpredicted stall than this triggers a timing rescale
+TIME_TOLERANCE = 0.25  # ... when the measured compute time is this far from the trace's
+
+MIN_COMPUTE_SHARE = 1 / 20
+"""The profiled iteration's compute time is taken as at least this share of its measured time, however
+much of it the swap-everything executor stalled."""
+
+PASSIVE_SWAP_SLACK = 2.0
+"""A Stable iteration under a policy predicted short may passive-swap up to this many times the bytes its
+trials passive-swapped before the runtime profiles again. Passive swap moves whole tensors (best fit
+first), so one more tensor of the size its trials moved doubles a one-tensor volume; more than that says
+the policy no longer describes the job."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialResult:
+    """One GenPolicy trial: a policy, what it measured, and whether it held (``trial_held``)."""
+
+    policy: Policy
+    iteration_s: float
+    peak_bytes: int
+    held: bool
+    passive_swap_bytes: int = 0  # what passive swap moved in the attempt that completed
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What ``choose`` keeps: ``best`` (None: swap every eligible tensor), the headroom it was judged with,
+    whether ``best`` had that headroom, and whether swapping everything was measured faster than every
+    policy that held (then ``best`` is None although some held)."""
+
+    best: TrialResult | None
+    headroom_bytes: int
+    roomy: bool
+    swap_all_faster: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialFeedback:
+    """What one trial tells the next generation (``trial_feedback``): ``time_ratio``, the measured compute
+    time over the policy's when the trace's op times were off (None: they were not), and ``miss_bytes``,
+    how much lower the next policies aim (0: no miss), with ``miss`` saying why in words."""
+
+    time_ratio: float | None
+    miss_bytes: int
+    miss: str
+
+
+def compute_only(trace: StepTrace, stall_s: float, time_scale: float) -> StepTrace:
+    """``trace`` with every time scaled to compute only, which is what the trials' policies are generated
+    from: the profiled iteration's ``stall_s`` were the swap-everything executor's waits, and
+    ``time_scale`` is what earlier trials measured of the trace's op times (``trial_feedback``). Measured
+    layer times shrink alike (they carry the detailed recorder's cost and the forward pass's share of the
+    stalls too)."""
+    compute_s = max(trace.iteration_s - stall_s, trace.iteration_s * MIN_COMPUTE_SHARE)
+    scale = compute_s * time_scale / max(trace.iteration_s, 1e-12)
+    return dataclasses.replace(
+        trace, iteration_s=trace.iteration_s * scale,
+        layer_times_s={layer: t * scale for layer, t in trace.layer_times_s.items()},
+    )
+
+
+def trial_feedback(outcome: IterationOutcome, budget_bytes: int, unknown_miss_bytes: int, grew: bool) -> TrialFeedback:
+    """What ``outcome``, a trial of ``outcome.policy``, feeds back into the next generation:
+
+    - a policy that went over the budget, or one predicted to fit that needed passive swaps, makes the
+      next ones aim lower by as much as it missed (the peak over its prediction; the bytes passive swap
+      moved, ``unknown_miss_bytes`` when those are not known): the simulator's error narrows the next
+      attempt, and the trials go on. Not when the iteration ``grew`` (saved more than the traced one: the
+      miss is the shape's), and not for passive swaps under a policy predicted short (its design: its
+      trial measures what they cost);
+    - a policy that stalled more than predicted because the trace's op times were off (the profiled
+      iteration ran with the detailed recorder, whose cost is not the job's) rescales the op times by the
+      compute time this iteration actually took. A link-bound trial (stalled half its time or more) says
+      little about compute and rescales nothing."""
+    policy, iteration_s, stall_s = outcome.policy, outcome.iteration_s, outcome.stall_s
+    assert policy is not None  # a trial applies a policy
+    ratio = max(iteration_s - stall_s, 1e-9) / max(policy.compute_s, 1e-9)
+    stalled = policy.predicted_stall_s + STALL_TOLERANCE * iteration_s < stall_s < iteration_s / 2
+    time_ratio = ratio if stalled and abs(ratio - 1) > TIME_TOLERANCE else None
+    if grew:
+        return TrialFeedback(time_ratio, 0, "")
+    if outcome.peak_bytes > budget_bytes and outcome.peak_bytes > policy.predicted_peak_bytes:
+        return TrialFeedback(time_ratio, outcome.peak_bytes - max(policy.predicted_peak_bytes, 1), "peaked")
+    if outcome.passive_swaps and not outcome.oom_retries and policy.feasible:
+        return TrialFeedback(time_ratio, max(1, outcome.passive_swap_bytes or unknown_miss_bytes), "passive-swapped")
+    return TrialFeedback(time_ratio, 0, "")
+
+
+def trial_order(policies: list[Policy]) -> list[Policy]:
+    """The candidates a GenPolicy stage tries, in order: those predicted to fit (the generator's order,
+    fastest first), else all of them, smallest predicted shortfall first (then fastest)."""
+    feasible = [p for p in policies if p.feasible]
+    return feasible or sorted(policies, key=lambda p: (p.shortfall_bytes, p.predicted_iteration_s))
+
+
+def next_trial(candidates: list[Policy], results: list[TrialResult]) -> Policy | None:
+    """The next candidate not tried yet since the last generation (cycling when all were)."""
+    if not candidates:
+        return None
+    tried = {id(r.policy) for r in results}
+    fresh = [p for p in candidates if id(p) not in tried]
+    return fresh[0] if fresh else candidates[len(results) % len(candidates)]
+
+
+def trial_held(policy: Policy, peak_bytes: int, allowed_peak_bytes: int, passive_swaps: int, oom_retries: int) -> bool:
+    """Whether a trial of ``policy`` held (module docstring): no out-of-memory retry, the peak within
+    ``allowed_peak_bytes``, and no passive swap unless the policy was predicted short."""
+    if oom_retries or peak_bytes > allowed_peak_bytes:
+        return False
+    return not passive_swaps or not policy.feasible
+
+
+def fastest_fitting_else_lowest(policies: list[Policy]) -> Policy:
+    """The policy applied without trials (scaling for a new shape, tightening in place): the fastest
+    predicted to fit, else the one predicted lowest."""
+    feasible = [p for p in policies if p.feasible]
+    if feasible:
+        return min(feasible, key=lambda p: p.predicted_iteration_s)
+    return min(policies, key=lambda p: p.predicted_peak_bytes)
+
+
+def peak_variation_bytes(results: list[TrialResult]) -> int:
+    """How much the peak of one policy moved between its trials (timing jitter, routing, shapes): the
+    largest spread over the policies tried more than once, 0 when none was. (Not the spread of prediction
+    errors across policies: a policy predicted far off, such as swapping everything on a slow link, would
+    make every fast one look short of room.)"""
+    peaks: dict[int, list[int]] = {}
+    for r in results:
+        peaks.setdefault(id(r.policy), []).append(r.peak_bytes)
+    return max((max(p) - min(p) for p in peaks.values() if len(p) > 1), default=0)
+
+
+def choose(results: list[TrialResult], allowed_peak_bytes: int, swap_all_iteration_s: float | None) -> Choice:
+    """The fastest trial that held with headroom (its measured peak plus ``peak_variation_bytes`` within
+    ``allowed_peak_bytes``; per policy, its fastest trial), the fastest that held when none has headroom,
+    none when none held or when ``swap_all_iteration_s`` (the swap-everything executor's measured
+    iteration time, None when not measured on this sequence) beats every trial that held."""
+    held = [r for r in results if r.held]
+    headroom_bytes = peak_variation_bytes(results)
+    if not held:
+        return Choice(None, headroom_bytes, roomy=False, swap_all_faster=False)
+    roomy = [r for r in held if r.peak_bytes + headroom_bytes <= allowed_peak_bytes]
+    best = min(roomy or held, key=lambda r: r.iteration_s)
+    if swap_all_iteration_s is not None and swap_all_iteration_s < min(r.iteration_s for r in held):
+        return Choice(None, headroom_bytes, roomy=bool(roomy), swap_all_faster=True)
+    return Choice(best, headroom_bytes, roomy=bool(roomy), swap_all_faster=False)
+
+
+def expected_passive_swap_bytes(results: list[TrialResult], policy: Policy) -> int:
+    """The passive-swap bytes ``policy``'s held trials measured (the most of them): what a policy predicted
+    short costs by design. 0 for a policy predicted to fit (none of its trials held with passive swaps)
+    and for a policy without trials (scaled or tightened in place)."""
+    return max((r.passive_swap_bytes for r in results if r.held and r.policy is policy), default=0)
+
+
+def passive_swaps_expected(results: list[TrialResult], policy: Policy, passive_swap_bytes: int) -> bool:
+    """Whether ``passive_swap_bytes`` (an iteration's under ``policy``) is what its trials measured, within
+    ``PASSIVE_SWAP_SLACK``: then they are the remainder passive swap was chosen to absorb, not a failure."""
+    expected_bytes = expected_passive_swap_bytes(results, policy)
+    return expected_bytes > 0 and 0 < passive_swap_bytes <= PASSIVE_SWAP_SLACK * expected_bytes
