@@ -64,6 +64,8 @@ class IterationReport:
     on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
     sequence_differs: bool = False  # any difference from the reference sequence, absorbed or not (see above)
     reused_original_bytes: int = 0  # restores that reused a still-alive device original (no copy, no new bytes)
+    delayed_swap_outs: int = 0  # swap-outs the policy placed after the save, issued at their op
+    late_swap_outs: int = 0  # ... whose op never came (the sequence moved): issued when backward began
     sequence_change_kind: str = "identical"  # see above
     skipped_entries: int = 0  # policy entries whose tensor this iteration did not save (an idle expert)
     tightened_in_place: bool = False  # see above

@@ -149,6 +149,7 @@ class Chameleon:
             profiler.cosine_threshold,
             self.device.live_bytes,
             self.device.emulated,
+            timer=self.device.timer,
         )
         self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes)
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -219,7 +220,8 @@ class Chameleon:
         running = self._running = _Running(stage, policy, time.perf_counter(), stall_start_s, stall_start_s)
         try:
             observing = self.profiler.observe(
-                self._iteration + 1, self._models, self.executor.protected_keys, on_write=self.executor.note_writes
+                self._iteration + 1, self._models, self.executor.protected_keys, on_write=self.executor.note_writes,
+                listener=self.executor if self.config.enabled else None,
             )
             with self.device.active(), observing as observation:
                 running.observation = observation
@@ -441,4 +443,6 @@ class Chameleon:
             skipped_entries=counters.matches.skipped,
             on_demand_fetches=counters.on_demand,
             reused_original_bytes=counters.reused_original_bytes,
+            delayed_swap_outs=counters.delayed_swap_outs,
+            late_swap_outs=counters.late_swap_outs,
         )

@@ -80,3 +80,8 @@ class SwapCounters:
     passive_swaps: int = 0
     pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs alone
     matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
+    delayed_swap_outs: int = 0  # swap-outs a policy placed after the save (issued at their op)
+    late_swap_outs: int = 0  # ... whose op never came: issued when backward began (NOTE [Placed swaps])
+    # (op count, "out" | "release" | "in", save ordinal) of each placed point the executor carried out, in
+    # order: what the policy's simulator predicted, as it ran (NOTE [Placed swaps] in executor/swap.py)
+    placed: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)

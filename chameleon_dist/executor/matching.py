@@ -78,6 +78,12 @@ class PolicyMatcher:
             e.save_ordinal: e for e in policy.entries if e.decision in (Decision.SWAP, Decision.RECOMPUTE)
         }
         self._entry_ordinals = sorted(self._by_ordinal)
+        # per micro-batch, the traced op where its backward pass began (its earliest backward use): a
+        # swap-out placed before it belongs to the forward pass (NOTE [Placed swaps] in swap.py)
+        self.backward_start: dict[int, int] = {}
+        for e in self._by_ordinal.values():
+            start = self.backward_start.get(e.micro_batch)
+            self.backward_start[e.micro_batch] = e.first_backward_use if start is None else min(start, e.first_backward_use)
         sites = policy.save_sites
         self.by_site = bool(sites) and len(sites) == len(policy.save_keys) and all(sites)
         self._symbols: list[str] = list(sites) if self.by_site else list(policy.save_keys)

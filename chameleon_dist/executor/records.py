@@ -19,32 +19,63 @@ if TYPE_CHECKING:
 
 
 class SwapEntry:
-    """One storage swapped out. Host buffer and restored device bytes live as long as the entry."""
+    """One storage swapped out (or, until its planned swap-out op, about to be). Host buffer and restored
+    device bytes live as long as the entry.
+
+    A policy places each swap-out at an op and each release at a later op (``policy/simulator.py``); until
+    its release point the entry *holds* the device original (``held``), so that the bytes stay where the
+    simulator counted them, and the copy is issued at its own op (``issue``). Without a policy both happen
+    at the save."""
 
     __slots__ = (
-        "nbytes", "version", "position", "trace_index", "to_host", "to_device", "device_bytes", "_device", "planned",
-        "writes", "source", "reused_source", "reuse_counted", "abandoned", "__weakref__",
+        "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device",
+        "planned", "writes", "source", "held", "issued", "out_in_forward", "refused", "reused_source", "reuse_counted", "abandoned",
+        "__weakref__",
     )
 
     def __init__(
-        self, device: "Device", to_host: "CopyHandle", version: int, position: int, source: torch.UntypedStorage
+        self, device: "Device", source: torch.UntypedStorage, version: int, position: int, ordinal: int = -1
     ) -> None:
-        self.nbytes = to_host.nbytes
+        self.nbytes = source.nbytes()
         self.version = version
-        self.position = position  # index in the iteration's swap-out order
+        self.position = position  # index in the iteration's save order of swapped storages
+        self.ordinal = ordinal  # the policy entry's save ordinal (-1: no policy)
         self.trace_index = -1  # index of its SwappedTensor in a detailed trace, when one is recorded
         self.planned = False  # a policy scheduled its swap-in
         self.writes = 0  # in-place writes seen to the swapped storage (or its restored bytes) since the swap
-        # the device original, while anything keeps it alive: the user, a retained graph, or the device,
-        # which holds it at least until its swap-out has completed (NOTE [Release after copy] in device/base.py)
+        # the device original, while anything keeps it alive: the user, a retained graph, the entry itself
+        # until its release point (``held``), or the device, which holds it at least until its swap-out has
+        # completed (NOTE [Release after copy] in device/base.py)
         self.source = weakref.ref(source)
+        self.held: torch.UntypedStorage | None = source
+        self.issued = False  # the device-to-host copy was started
+        self.out_in_forward = False  # its swap-out is placed in the forward pass (NOTE [Placed swaps])
+        self.refused = False  # the host budget had no room at ``issue``: the entry keeps holding the original
         self.reused_source = False  # restored by reusing the live original: no copy, no new device bytes
         self.reuse_counted = False
-        self.to_host: CopyHandle | None = to_host
+        self.to_host: CopyHandle | None = None
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None
         self._device = device
         self.abandoned = False  # its attempt ran out of memory and was retried (``abandon``)
+
+    def issue(self) -> bool:
+        """Start the device-to-host copy; False (and the original stays held) when the host budget has no
+        room. Call once."""
+        original = self.held if self.held is not None else self.source()
+        self.issued = True
+        handle = self._device.copy_to_host(original) if original is not None else None
+        if handle is None:
+            self.refused = original is not None
+            return False
+        self.to_host = handle
+        return True
+
+    def release(self) -> None:
+        """The planned release point: let go of the device original (the device itself holds it until the
+        copy completed). An entry whose copy the host budget refused keeps it: it is the only copy."""
+        if self.issued and not self.refused:
+            self.held = None
 
     @property
     def restored(self) -> bool:
@@ -65,6 +96,7 @@ class SwapEntry:
         original = self.source()
         if original is not None:
             self.device_bytes = byte_view(original)
+            self.held = None
             self.reused_source = True
             self._release_host_if_copied()
             return False
@@ -90,6 +122,7 @@ class SwapEntry:
         it must not keep device or host memory from the retry. Unpacking it afterwards raises."""
         self.abandoned = True
         self.device_bytes = None
+        self.held = None
         to_host = self.to_host
         if to_host is not None:
             self._device.wait(self.to_device if self.to_device is not None else to_host)

@@ -5,10 +5,9 @@ asynchronously when autograd saves it and comes back when backward needs it, wit
 ``prefetch_depth`` swapped storages (in reverse save order, the order backward usually needs them)
 brought back ahead of time. With a policy (``IterationContext.policy``), only the saved storages the
 policy matches leave the device (see NOTE [Save-site matching] in ``matching.py``: a policy made for one
-sequence length, batch size or expert load applies to another); each comes back when the iteration's op
-count reaches its planned swap-in trigger (checked whenever autograd unpacks a saved tensor), shifted by
-how far the sequence had moved at its save; one needed before its prefetch started is fetched on demand
-and counted. Under memory pressure the executor first lets in-flight swap-outs land,
+sequence length, batch size or expert load applies to another), each at the ops the policy placed its
+swap-out, release and swap-in (NOTE [Placed swaps]); one needed before its prefetch started is fetched on
+demand and counted. Under memory pressure the executor first lets in-flight swap-outs land,
 then swaps out idle kept tensors synchronously (passive swap).
 
 Never swapped: parameters and views of parameters, tensors that are not plain dense device tensors, and
@@ -33,16 +32,38 @@ from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
-from chameleon_dist.policy.model import Policy
+from chameleon_dist.policy.model import Policy, PolicyEntry
 from chameleon_dist.trace.writes import WriteWatch
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
+# NOTE [Placed swaps]
+# ~~~~~~~~~~~~~~~~~~~
+# The policy generator places three points per swapped storage on the traced iteration's op clock, and
+# its simulator predicts peak and time from exactly those points (policy/simulator.py): the swap-out is
+# issued at the end of op ``swap_out_at`` (later than the save when the producing layer's copy time is
+# spent), the device block is released at the end of op ``release_at`` (once the copy completed), and
+# the swap-in starts before op ``swap_in_at``. The executor carries out all three on the same clock: the
+# profiler's dispatch mode calls ``on_op`` after an op whenever the op count reached ``due_op``, the
+# earliest scheduled point (an op with nothing due costs one comparison). Each point is shifted by how far
+# the sequence had moved when the storage was saved (its op count minus the traced ``save_op_index``), so
+# an inserted op or an earlier micro-batch moves its points alike. Until its release point the entry holds
+# the device original (``SwapEntry.held``): the bytes stay where the simulator counted them, and the
+# release never comes before the copy completed (the device holds the source until then: NOTE [Release
+# after copy] in device/base.py). A swap-out whose op never comes (the sequence moved) is issued when
+# backward begins, the latest point before backward needs the link, and counted (``late_swap_outs``);
+# memory pressure issues the pending ones and releases the held ones at once. Without an op clock (the
+# executor used without the runtime) every point is the save, as without a policy. ``counters.placed``
+# lists each point as it was carried out: tests compare it with the policy's.
+
 TIGHTEN_FACTOR = 16
 """``tighten()`` divides ``min_swap_bytes`` by this (and goes to 0 below 1 KiB)."""
 
 _IDLE = IterationContext()
+
+_NEVER = 1 << 62
+"""``due_op`` when nothing is scheduled on the op clock."""
 
 
 class SwapExecutor:
@@ -103,7 +124,11 @@ class SwapExecutor:
         self._saved_storages: dict[int, weakref.ReferenceType] = {}  # storage key -> the storage
         self._micro_batch = 0  # of the save sites (NOTE [Save-site matching] in ``matching.py``)
         self._unpacked = False  # backward unpacked a saved tensor since the last forward save
-        self._triggers: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []
+        # placed points on the op clock (NOTE [Placed swaps]): (op count, position, entry), earliest first
+        self._triggers: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []  # swap-ins
+        self._issues: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []  # delayed swap-outs
+        self._releases: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []
+        self.due_op = _NEVER  # the op count at which the next of them is due (read by the dispatch mode)
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
         # every tensor this attempt packed (kept or swapped): let go when the attempt is retried
         self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []
@@ -232,6 +257,9 @@ class SwapExecutor:
         self._micro_batch = 0
         self._unpacked = False
         self._triggers.clear()
+        self._issues.clear()
+        self._releases.clear()
+        self.due_op = _NEVER
         self._kept.clear()
         self._packed.clear()
 
@@ -280,13 +308,7 @@ class SwapExecutor:
             else:
                 planned = self._matcher.match(tensor, site)
                 if planned is not None:
-                    entry = self._entry_for(tensor)
-                    if entry is not None and not entry.planned:  # schedule its prefetch (shifted like the save)
-                        op_count = self._context.op_clock()
-                        shift = op_count - planned.save_op_index if op_count >= 0 else 0
-                        trigger = planned.swap_in_at + shift
-                        heapq.heappush(self._triggers, (trigger, entry.position, weakref.ref(entry)))
-                        entry.planned = True
+                    entry = self._entry_for(tensor, planned)
         if entry is not None:
             swapped = SwappedTensor(entry, tensor)
             self._packed.append(weakref.ref(swapped))
@@ -312,33 +334,117 @@ class SwapExecutor:
         self._saved_storages[key] = weakref.ref(storage)
         return False
 
-    def _entry_for(self, tensor: torch.Tensor) -> SwapEntry | None:
+    def _entry_for(self, tensor: torch.Tensor, planned: PolicyEntry | None = None) -> SwapEntry | None:
+        """The entry ``tensor``'s storage leaves the device with: an existing one for the same bytes, else a
+        new one. With a policy entry (``planned``), its swap-out, release and swap-in are scheduled on the
+        op clock at the points the policy placed them, shifted by how far the sequence had moved at the
+        save (NOTE [Placed swaps]); else the copy starts now and the device lets go once it completed.
+        None when the host budget has no room (the tensor stays on the device)."""
         storage = tensor.untyped_storage()
         key = storage_key(storage)
         ref = self._by_storage.get(key)
         entry = ref() if ref is not None else None
         if entry is not None and entry.version == tensor._version:
             return entry  # same bytes already on their way out: share the host copy
-        handle = self.device.copy_to_host(storage)
-        if handle is None:
-            self.counters.kept_on_device_bytes += storage.nbytes()
-            if not self._host_budget_warned:
-                logger.warning(
-                    "host_memory_budget is full: keeping %s activations on the device (raise host_memory_budget)",
-                    format_bytes(storage.nbytes()),
-                )
-                self._host_budget_warned = True
+        entry = SwapEntry(self.device, storage, tensor._version, position=len(self._order),
+                          ordinal=planned.save_ordinal if planned is not None else -1)
+        op_count = self._context.op_clock() if planned is not None else -1
+        if op_count >= 0:
+            shift = op_count - planned.save_op_index
+            issue_at = planned.swap_out_at + 1 + shift  # (at the end of op ``swap_out_at``)
+            release_at = planned.release_at + 1 + shift if planned.release_at >= 0 else -1
+        else:
+            issue_at = release_at = -1
+        if issue_at <= op_count and not self._issue(entry):
             return None
-        entry = SwapEntry(self.device, handle, tensor._version, position=len(self._order), source=storage)
-        if self._context.observer is not None:
-            entry.trace_index = self._context.observer.on_swap_out(storage)
+        if planned is not None:  # its prefetch, shifted like the save
+            trigger = planned.swap_in_at + (op_count - planned.save_op_index if op_count >= 0 else 0)
+            self._schedule(self._triggers, trigger, entry)
+            entry.planned = True
+        if entry.issued and release_at <= op_count:
+            entry.release()
+        elif release_at > op_count:
+            self._schedule(self._releases, release_at, entry)
+        if not entry.issued:
+            self._schedule(self._issues, issue_at, entry)
+            self.counters.delayed_swap_outs += 1
+            backward_start = self._matcher.backward_start.get(planned.micro_batch, planned.first_backward_use)
+            entry.out_in_forward = planned.swap_out_at < backward_start
         self._by_storage[key] = weakref.ref(entry)
         self._watch(storage, entry)
         self._order.append(weakref.ref(entry))
-        self.counters.swap_out_bytes += entry.nbytes
-        self.counters.swapped_storages += 1
         self._swapped_since_release = True
         return entry
+
+    def _schedule(self, heap: list, at_op: int, entry: SwapEntry) -> None:
+        heapq.heappush(heap, (at_op, entry.position, weakref.ref(entry)))
+        if at_op < self.due_op:
+            self.due_op = at_op
+
+    def _issue(self, entry: SwapEntry) -> bool:
+        """Start ``entry``'s swap-out; False when the host budget has no room (it stays on the device)."""
+        if not entry.issue():
+            nbytes = entry.nbytes
+            self.counters.kept_on_device_bytes += nbytes
+            if not self._host_budget_warned:
+                logger.warning(
+                    "host_memory_budget is full: keeping %s activations on the device (raise host_memory_budget)",
+                    format_bytes(nbytes),
+                )
+                self._host_budget_warned = True
+            return False
+        if self._context.observer is not None:
+            entry.trace_index = self._context.observer.on_swap_out(entry.held)
+        self.counters.swap_out_bytes += entry.nbytes
+        self.counters.swapped_storages += 1
+        if entry.ordinal >= 0:
+            self.counters.placed.append((self._context.op_clock(), "out", entry.ordinal))
+        return True
+
+    # ---- the op clock -------------------------------------------------------------------------
+    def on_op(self, op_count: int) -> None:
+        """An op of the iteration ended and ``op_count`` ops have run: start the swap-outs, releases and
+        swap-ins placed there (NOTE [Placed swaps]). The caller's dispatch mode calls this only when
+        ``op_count >= due_op``, so an op with nothing due costs one comparison."""
+        self.due_op = _NEVER
+        with self._context.hide_own_ops():
+            released = False
+            issues, releases = self._issues, self._releases
+            while issues and issues[0][0] <= op_count:
+                entry = heapq.heappop(issues)[2]()
+                if entry is not None and not entry.issued and not entry.restored:
+                    self._issue(entry)
+            while releases and releases[0][0] <= op_count:
+                entry = heapq.heappop(releases)[2]()
+                if entry is not None and entry.issued and entry.held is not None:
+                    entry.release()
+                    released = True
+                    self.counters.placed.append((op_count, "release", entry.ordinal))
+            if released:
+                self.device.release_completed_sources()
+            if self._triggers and self._triggers[0][0] <= op_count:
+                self._fire_triggers(op_count)
+        self.due_op = min((heap[0][0] for heap in (self._issues, self._releases, self._triggers) if heap), default=_NEVER)
+
+    def _issue_overdue(self, everything: bool = False) -> None:
+        """Backward began: swap-outs placed in the forward pass whose op never came (the sequence moved)
+        start now, the latest safe point (before backward needs the link), and their originals go once
+        copied; counted. Those placed in the backward pass keep their op. ``everything``: memory pressure,
+        all pending ones start now."""
+        waiting = []
+        for item in self._issues:
+            entry = item[2]()
+            if entry is None or entry.issued or entry.restored:
+                continue
+            if everything or entry.out_in_forward:
+                if self._issue(entry):
+                    entry.release()
+                self.counters.late_swap_outs += not everything
+            else:
+                waiting.append(item)
+        heapq.heapify(waiting)
+        self._issues = waiting
+        self.due_op = min((heap[0][0] for heap in (self._issues, self._releases, self._triggers) if heap), default=_NEVER)
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         with self._context.hide_own_ops():
@@ -358,9 +464,12 @@ class SwapExecutor:
             raise abandoned_error()
         packed.check_version()
         if self._swapped_since_release:
-            # Planned release point: a backward pass begins, so every swap-out issued in the forward pass
-            # lets go of its device block (NOTE [Release after copy] in device/base.py).
+            # A backward pass begins: a swap-out still waiting for its op starts now, and every swap-out
+            # issued in the forward pass lets go of its device block (NOTE [Release after copy] in
+            # device/base.py).
             self._swapped_since_release = False
+            if self._issues:
+                self._issue_overdue()
             self.device.release_all_sources()
         entry = packed.entry
         if not entry.restored:
@@ -397,6 +506,8 @@ class SwapExecutor:
                 continue
             if not self._prefetch(entry):
                 return
+            if entry.ordinal >= 0:
+                self.counters.placed.append((op_count, "in", entry.ordinal))
 
     def _prefetch_before(self, entry: SwapEntry) -> None:
         """Keep the next ``prefetch_depth`` storages backward will likely need (saved earlier) coming in."""
@@ -429,8 +540,11 @@ class SwapExecutor:
         (``release_all_sources`` + ``synchronize``); if that is not enough, swap out idle kept tensors
         synchronously, best fit first (passive swap). Counts ``passive_swaps`` and ``pressure_waits``."""
         before = self.device.live_bytes()
+        if self._issues:
+            self._issue_overdue(everything=True)
         self.device.release_all_sources()
         self.device.synchronize()
+        self._release_early()
         freed = max(before - self.device.live_bytes(), 0)
         passive_swaps = self.counters.passive_swaps
         if freed < short_bytes and self._kept:
@@ -439,6 +553,16 @@ class SwapExecutor:
             self.counters.pressure_waits += 1
         logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
         return freed
+
+    def _release_early(self) -> None:
+        """Under memory pressure, after ``synchronize``: originals held for a later release point go now
+        (their copies have completed)."""
+        for _, _, ref in self._releases:
+            entry = ref()
+            if entry is not None and entry.issued and entry.held is not None:
+                entry.release()
+        self._releases.clear()
+        self.device.release_completed_sources()
 
     def _passive_swap(self, short_bytes: int) -> int:
         kept = [k for k in (ref() for ref in self._kept) if k is not None and k.swapped is None and k.tensor is not None]

@@ -294,5 +294,5 @@ def _place(ctx: Context, chosen: list[Candidate], allow_recompute: bool) -> list
         while at > earliest and ahead_s < copy_s * s.prefetch_slack:
             at -= 1
             ahead_s += ctx.op_times_s[at]
-        p.swap_in_at = max(at, cand.last_forward_use + 1)
+        p.swap_in_at = max(at, cand.last_forward_use + 1, p.swap_out_at + 1)  # (never back before it left)
     return [planned[c.storage_id] for c in chosen]

@@ -14,7 +14,7 @@ from torch import nn
 from chameleon_dist.device.base import DeviceTimer, HostTimer
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.scope import LayerClock, TrainingScope
-from chameleon_dist.profiler.signature import Comparison, OpVocabulary, Signature, SignatureMode, compare
+from chameleon_dist.profiler.signature import Comparison, OpListener, OpVocabulary, Signature, SignatureMode, compare
 from chameleon_dist.profiler.stages import StageMachine
 from chameleon_dist.trace.stages import Stage, Transition
 from chameleon_dist.trace.step_trace import StepTrace
@@ -97,10 +97,12 @@ class OnlineProfiler:
         models: Iterable[nn.Module],
         parameter_keys: Callable[[], set[int]],
         on_write: Callable[[list], None] | None = None,
+        listener: OpListener | None = None,
     ) -> Iterator[Observation]:
         """Signature always; a detailed recorder in WarmUp, which then takes the signature too (one
         dispatch mode instead of two). Enter after the device's metering. ``on_write`` hears of every
-        tensor an op writes in place (the swap executor must know; no second dispatch mode needed)."""
+        tensor an op writes in place and ``listener`` the op clock (the swap executor must know both; no
+        second dispatch mode needed)."""
         stage = self.stages.stage
         self.layers.reset()
         ids: list[int] = []
@@ -112,9 +114,10 @@ class OnlineProfiler:
                 recorder.watch_modules(model)
             mode = recorder
             recorder.on_write = on_write
+            recorder.listener = listener
         else:
             recorder = None
-            mode = SignatureMode(self.vocabulary, self.scope, ids, on_write)
+            mode = SignatureMode(self.vocabulary, self.scope, ids, on_write, listener)
         observation = Observation(stage, ids, recorder)
         completed = False
         try:

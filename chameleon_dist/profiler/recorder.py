@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.device.base import DeviceTimer, HostTimer
 from chameleon_dist.profiler.scope import LayerTimes, TrainingScope, is_layer_path, layer_of
-from chameleon_dist.profiler.signature import OpVocabulary
+from chameleon_dist.profiler.signature import OpListener, OpVocabulary
 from chameleon_dist.trace.writes import WrittenTensors
 from chameleon_dist.trace.step_trace import (
     BACKWARD,
@@ -65,6 +65,7 @@ class TraceRecorder(TorchDispatchMode):
         self.module_paths: list[str] = []
         self.optimizer_active = False
         self.on_write: Callable[[list[torch.Tensor]], None] | None = None  # hears of in-place writes
+        self.listener: OpListener | None = None  # hears the op clock (see signature.OpListener)
         self._written = WrittenTensors()
         self._tensor_ids: dict[tuple, int] = {}
         # storage address -> (storage id, weak reference): an address is reused once its storage died, and
@@ -204,6 +205,9 @@ class TraceRecorder(TorchDispatchMode):
         if self.signature_ids is not None:  # the same rule as SignatureMode
             inside = phase is not OTHER and (phase is not OPTIMIZER or self._scope.in_autograd())
             self.signature_ids.append(name_id if inside else ~name_id)
+        listener = self.listener  # the op clock, as SignatureMode drives it
+        if listener is not None and len(self.ops) >= listener.due_op:
+            listener.on_op(len(self.ops))
         return out
 
     def _scan(self, values, into: list[int], created_now: bool) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,8 +63,19 @@ class OpVocabulary:
         return len(self.names)
 
 
+class OpListener(Protocol):
+    """Hears the op clock: ``on_op(n)`` once ``n`` ops of the iteration have run, when ``n >= due_op``
+    (the swap executor's placed swap-outs, releases and swap-ins; NOTE [Placed swaps] in
+    executor/swap.py). The comparison is all an op with nothing due costs."""
+
+    due_op: int
+
+    def on_op(self, op_count: int) -> None: ...
+
+
 class SignatureMode(TorchDispatchMode):
-    """Records the op-id sequence of one iteration (a few list appends per op)."""
+    """Records the op-id sequence of one iteration (a few list appends per op) and drives the op clock
+    of ``listener``."""
 
     def __init__(
         self,
@@ -72,12 +83,14 @@ class SignatureMode(TorchDispatchMode):
         scope: TrainingScope | None = None,
         ids: list[int] | None = None,
         on_write: Callable[[list[torch.Tensor]], None] | None = None,
+        listener: OpListener | None = None,
     ) -> None:
         super().__init__()
         self.ids: list[int] = [] if ids is None else ids
         self._id_of = vocabulary.id_of
         self._scope = scope if scope is not None else TrainingScope()
         self.on_write = on_write  # hears of every tensor an op writes in place (see trace.writes)
+        self.listener = listener
         self._written = WrittenTensors()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -89,7 +102,14 @@ class SignatureMode(TorchDispatchMode):
         if not scope.paused:
             op_id = self._id_of(func)
             if op_id is not None:
-                self.ids.append(op_id if scope.in_autograd() else ~op_id)
+                ids = self.ids
+                ids.append(op_id if scope.in_autograd() else ~op_id)
+                listener = self.listener
+                if listener is not None:
+                    out = func(*args, **(kwargs or {}))
+                    if len(ids) >= listener.due_op:
+                        listener.on_op(len(ids))
+                    return out
         return func(*args, **(kwargs or {}))
 
 
