@@ -66,6 +66,8 @@ class IterationReport:
     reused_original_bytes: int = 0  # restores that reused a still-alive device original (no copy, no new bytes)
     delayed_swap_outs: int = 0  # swap-outs the policy placed after the save, issued at their op
     late_swap_outs: int = 0  # ... whose op never came (the sequence moved): issued when backward began
+    recomputed_bytes: int = 0  # saved storages rebuilt from their producer's inputs instead of swapped
+    recompute_unavailable: int = 0  # planned recomputes kept on the device (producer not found exactly)
     sequence_change_kind: str = "identical"  # see above
     skipped_entries: int = 0  # policy entries whose tensor this iteration did not save (an idle expert)
     tightened_in_place: bool = False  # see above

@@ -273,7 +273,7 @@ class Chameleon:
             min_swap_bytes=self.executor.min_swap_bytes,
             host_budget_bytes=self.device.host_pool.budget_bytes,
             trials=self.config.profiler.policy_trials,
-            allow_recompute=False,  # the executor has no recompute path: recompute decisions would be swaps
+            allow_recompute=self.config.executor.allow_recompute,
             d2h_bytes_per_s=_planning_rate(self.device.d2h_bytes_per_s, self.config.device.d2h_bytes_per_s),
             h2d_bytes_per_s=_planning_rate(self.device.h2d_bytes_per_s, self.config.device.h2d_bytes_per_s),
         )
@@ -445,4 +445,6 @@ class Chameleon:
             reused_original_bytes=counters.reused_original_bytes,
             delayed_swap_outs=counters.delayed_swap_outs,
             late_swap_outs=counters.late_swap_outs,
+            recomputed_bytes=counters.recomputed_bytes,
+            recompute_unavailable=counters.recompute_unavailable,
         )

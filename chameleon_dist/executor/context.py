@@ -82,6 +82,9 @@ class SwapCounters:
     matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
     delayed_swap_outs: int = 0  # swap-outs a policy placed after the save (issued at their op)
     late_swap_outs: int = 0  # ... whose op never came: issued when backward began (NOTE [Placed swaps])
+    recomputed_bytes: int = 0  # storages rebuilt from their producer's inputs (NOTE [Per-tensor recompute])
+    recomputed_storages: int = 0
+    recompute_unavailable: int = 0  # planned recomputes whose producer was not found exactly: kept instead
     # (op count, "out" | "release" | "in", save ordinal) of each placed point the executor carried out, in
     # order: what the policy's simulator predicted, as it ran (NOTE [Placed swaps] in executor/swap.py)
     placed: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)

@@ -73,7 +73,6 @@ class MatchCounts:
 class PolicyMatcher:
     def __init__(self, policy: Policy, window: int = DEFAULT_WINDOW) -> None:
         self.policy = policy
-        # recompute decisions are carried out as swaps (the executor has no recompute path yet)
         self._by_ordinal: dict[int, PolicyEntry] = {
             e.save_ordinal: e for e in policy.entries if e.decision in (Decision.SWAP, Decision.RECOMPUTE)
         }

@@ -29,7 +29,7 @@ class SwapEntry:
 
     __slots__ = (
         "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device",
-        "planned", "writes", "source", "held", "issued", "out_in_forward", "refused", "reused_source", "reuse_counted", "abandoned",
+        "planned", "writes", "source", "held", "issued", "out_in_forward", "refused", "recipe", "reused_source", "reuse_counted", "abandoned",
         "__weakref__",
     )
 
@@ -50,6 +50,7 @@ class SwapEntry:
         self.held: torch.UntypedStorage | None = source
         self.issued = False  # the device-to-host copy was started
         self.out_in_forward = False  # its swap-out is placed in the forward pass (NOTE [Placed swaps])
+        self.recipe = None  # a recomputed storage: how to rebuild it (executor/recompute.py); no copies
         self.refused = False  # the host budget had no room at ``issue``: the entry keeps holding the original
         self.reused_source = False  # restored by reusing the live original: no copy, no new device bytes
         self.reuse_counted = False
@@ -93,15 +94,21 @@ class SwapEntry:
         swapping never needs more device memory than not swapping."""
         if self.device_bytes is not None or self.to_device is not None:
             return False
-        original = self.source()
-        if original is not None:
-            self.device_bytes = byte_view(original)
-            self.held = None
-            self.reused_source = True
+        if self.reuse_source():
             self._release_host_if_copied()
             return False
         # ordered after the swap-out on the link, without making the training stream wait for it
         self.to_device = self._device.copy_to_device(self.to_host.result, after=self.to_host)
+        return True
+
+    def reuse_source(self) -> bool:
+        """Restore by reusing the device original when it is still alive; False when it is gone."""
+        original = self.source()
+        if original is None:
+            return False
+        self.device_bytes = byte_view(original)
+        self.held = None
+        self.reused_source = True
         return True
 
     def finish_swap_in(self) -> torch.Tensor:
@@ -123,6 +130,7 @@ class SwapEntry:
         self.abandoned = True
         self.device_bytes = None
         self.held = None
+        self.recipe = None
         to_host = self.to_host
         if to_host is not None:
             self._device.wait(self.to_device if self.to_device is not None else to_host)

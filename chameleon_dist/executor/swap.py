@@ -6,8 +6,9 @@ asynchronously when autograd saves it and comes back when backward needs it, wit
 brought back ahead of time. With a policy (``IterationContext.policy``), only the saved storages the
 policy matches leave the device (see NOTE [Save-site matching] in ``matching.py``: a policy made for one
 sequence length, batch size or expert load applies to another), each at the ops the policy placed its
-swap-out, release and swap-in (NOTE [Placed swaps]); one needed before its prefetch started is fetched on
-demand and counted. Under memory pressure the executor first lets in-flight swap-outs land,
+swap-out, release and swap-in (NOTE [Placed swaps] in schedule.py), or, when the policy says so, rebuilt
+from its producer's inputs (NOTE [Per-tensor recompute] in recompute.py); one needed before its prefetch
+started is fetched on demand and counted. Under memory pressure the executor first lets in-flight swap-outs land,
 then swaps out idle kept tensors synchronously (passive swap).
 
 Never swapped: parameters and views of parameters, tensors that are not plain dense device tensors, and
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import heapq
 import logging
 import weakref
 from typing import Iterator
@@ -31,39 +31,20 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
+from chameleon_dist.executor.recompute import ProducerLog
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
-from chameleon_dist.policy.model import Policy, PolicyEntry
+from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
+from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
 from chameleon_dist.trace.writes import WriteWatch
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
-
-# NOTE [Placed swaps]
-# ~~~~~~~~~~~~~~~~~~~
-# The policy generator places three points per swapped storage on the traced iteration's op clock, and
-# its simulator predicts peak and time from exactly those points (policy/simulator.py): the swap-out is
-# issued at the end of op ``swap_out_at`` (later than the save when the producing layer's copy time is
-# spent), the device block is released at the end of op ``release_at`` (once the copy completed), and
-# the swap-in starts before op ``swap_in_at``. The executor carries out all three on the same clock: the
-# profiler's dispatch mode calls ``on_op`` after an op whenever the op count reached ``due_op``, the
-# earliest scheduled point (an op with nothing due costs one comparison). Each point is shifted by how far
-# the sequence had moved when the storage was saved (its op count minus the traced ``save_op_index``), so
-# an inserted op or an earlier micro-batch moves its points alike. Until its release point the entry holds
-# the device original (``SwapEntry.held``): the bytes stay where the simulator counted them, and the
-# release never comes before the copy completed (the device holds the source until then: NOTE [Release
-# after copy] in device/base.py). A swap-out whose op never comes (the sequence moved) is issued when
-# backward begins, the latest point before backward needs the link, and counted (``late_swap_outs``);
-# memory pressure issues the pending ones and releases the held ones at once. Without an op clock (the
-# executor used without the runtime) every point is the save, as without a policy. ``counters.placed``
-# lists each point as it was carried out: tests compare it with the policy's.
 
 TIGHTEN_FACTOR = 16
 """``tighten()`` divides ``min_swap_bytes`` by this (and goes to 0 below 1 KiB)."""
 
 _IDLE = IterationContext()
 
-_NEVER = 1 << 62
-"""``due_op`` when nothing is scheduled on the op clock."""
 
 
 class SwapExecutor:
@@ -124,11 +105,10 @@ class SwapExecutor:
         self._saved_storages: dict[int, weakref.ReferenceType] = {}  # storage key -> the storage
         self._micro_batch = 0  # of the save sites (NOTE [Save-site matching] in ``matching.py``)
         self._unpacked = False  # backward unpacked a saved tensor since the last forward save
-        # placed points on the op clock (NOTE [Placed swaps]): (op count, position, entry), earliest first
-        self._triggers: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []  # swap-ins
-        self._issues: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []  # delayed swap-outs
-        self._releases: list[tuple[int, int, weakref.ReferenceType[SwapEntry]]] = []
-        self.due_op = _NEVER  # the op count at which the next of them is due (read by the dispatch mode)
+        self._placed = PlacedSchedule()  # the points on the op clock (NOTE [Placed swaps] in schedule.py)
+        self.due_op = NEVER  # the op count at which the next of them is due (read by the dispatch mode)
+        self._producers = ProducerLog()  # recent forward ops, for per-tensor recomputation
+        self.captures_producers = False  # the dispatch mode calls ``on_produced`` (the policy recomputes)
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
         # every tensor this attempt packed (kept or swapped): let go when the attempt is retried
         self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []
@@ -160,6 +140,7 @@ class SwapExecutor:
             self._matcher = None
         elif self._matcher is None or self._matcher.policy is not policy:  # (reset per attempt)
             self._matcher = PolicyMatcher(policy)
+        self.captures_producers = policy is not None and any(e.decision == Decision.RECOMPUTE for e in policy.entries)
 
     @contextlib.contextmanager
     def active(self, context: IterationContext | None = None) -> Iterator[SwapCounters]:
@@ -256,10 +237,9 @@ class SwapExecutor:
         self._saved_storages.clear()
         self._micro_batch = 0
         self._unpacked = False
-        self._triggers.clear()
-        self._issues.clear()
-        self._releases.clear()
-        self.due_op = _NEVER
+        self._placed.clear()
+        self._producers.clear()
+        self.due_op = NEVER
         self._kept.clear()
         self._packed.clear()
 
@@ -338,7 +318,7 @@ class SwapExecutor:
         """The entry ``tensor``'s storage leaves the device with: an existing one for the same bytes, else a
         new one. With a policy entry (``planned``), its swap-out, release and swap-in are scheduled on the
         op clock at the points the policy placed them, shifted by how far the sequence had moved at the
-        save (NOTE [Placed swaps]); else the copy starts now and the device lets go once it completed.
+        save (NOTE [Placed swaps] in schedule.py); else the copy starts now and the device lets go once it completed.
         None when the host budget has no room (the tensor stays on the device)."""
         storage = tensor.untyped_storage()
         key = storage_key(storage)
@@ -346,6 +326,8 @@ class SwapExecutor:
         entry = ref() if ref is not None else None
         if entry is not None and entry.version == tensor._version:
             return entry  # same bytes already on their way out: share the host copy
+        if planned is not None and planned.decision == Decision.RECOMPUTE:
+            return self._recompute_entry(tensor, planned)
         entry = SwapEntry(self.device, storage, tensor._version, position=len(self._order),
                           ordinal=planned.save_ordinal if planned is not None else -1)
         op_count = self._context.op_clock() if planned is not None else -1
@@ -359,14 +341,14 @@ class SwapExecutor:
             return None
         if planned is not None:  # its prefetch, shifted like the save
             trigger = planned.swap_in_at + (op_count - planned.save_op_index if op_count >= 0 else 0)
-            self._schedule(self._triggers, trigger, entry)
+            self._schedule(self._placed.swap_ins, trigger, entry)
             entry.planned = True
         if entry.issued and release_at <= op_count:
             entry.release()
         elif release_at > op_count:
-            self._schedule(self._releases, release_at, entry)
+            self._schedule(self._placed.releases, release_at, entry)
         if not entry.issued:
-            self._schedule(self._issues, issue_at, entry)
+            self._schedule(self._placed.swap_outs, issue_at, entry)
             self.counters.delayed_swap_outs += 1
             backward_start = self._matcher.backward_start.get(planned.micro_batch, planned.first_backward_use)
             entry.out_in_forward = planned.swap_out_at < backward_start
@@ -376,8 +358,48 @@ class SwapExecutor:
         self._swapped_since_release = True
         return entry
 
+    def _recompute_entry(self, tensor: torch.Tensor, planned: PolicyEntry) -> SwapEntry | None:
+        """An entry that leaves the device with no copy and is rebuilt when backward needs it (NOTE
+        [Per-tensor recompute] in recompute.py); None (kept, counted) when it cannot be rebuilt exactly."""
+        storage = tensor.untyped_storage()
+        recipe = self._producers.recipe_for(storage, self._pack_input)
+        if recipe is None:
+            self.counters.recompute_unavailable += 1
+            return None
+        entry = SwapEntry(self.device, storage, tensor._version, position=-1, ordinal=planned.save_ordinal)
+        entry.recipe, entry.held = recipe, None  # dropped after its last forward use, like the program's reference
+        self._by_storage[storage_key(storage)] = weakref.ref(entry)
+        self._watch(storage, entry)
+        return entry
+
+    def _pack_input(self, tensor: torch.Tensor) -> KeptTensor | SwappedTensor:
+        """A recipe's tensor input, packed like a saved tensor: the ``SwappedTensor`` of the entry that swaps
+        or recomputes its storage, else a ``KeptTensor`` (it stays; the in-place check holds)."""
+        ref = self._by_storage.get(storage_key(tensor.untyped_storage()))
+        entry = ref() if ref is not None else None
+        if entry is not None and entry.version == tensor._version and not entry.abandoned:
+            return SwappedTensor(entry, tensor)
+        return KeptTensor(tensor)
+
+    def on_produced(self, func, args, kwargs, out) -> None:
+        """A forward op ran (the dispatch mode calls this while ``captures_producers``)."""
+        if torch._C._current_graph_task_id() == -1:
+            self._producers.note(func, args, kwargs, out)
+
+    def _rebuild(self, entry: SwapEntry) -> None:
+        """Backward needs a recomputed tensor: the device original if something kept it alive, else its
+        producer run again on its (unpacked) inputs."""
+        if entry.reuse_source():
+            self.counters.reused_original_bytes += entry.nbytes
+        else:
+            entry.device_bytes = entry.recipe.run(self._unpack_quietly)
+            self._watch(entry.device_bytes.untyped_storage(), entry)
+            self.counters.recomputed_bytes += entry.nbytes
+            self.counters.recomputed_storages += 1
+        entry.recipe = None  # its inputs may go
+
     def _schedule(self, heap: list, at_op: int, entry: SwapEntry) -> None:
-        heapq.heappush(heap, (at_op, entry.position, weakref.ref(entry)))
+        self._placed.add(heap, at_op, entry)
         if at_op < self.due_op:
             self.due_op = at_op
 
@@ -404,47 +426,36 @@ class SwapExecutor:
     # ---- the op clock -------------------------------------------------------------------------
     def on_op(self, op_count: int) -> None:
         """An op of the iteration ended and ``op_count`` ops have run: start the swap-outs, releases and
-        swap-ins placed there (NOTE [Placed swaps]). The caller's dispatch mode calls this only when
-        ``op_count >= due_op``, so an op with nothing due costs one comparison."""
-        self.due_op = _NEVER
+        swap-ins placed there (NOTE [Placed swaps] in schedule.py). The caller's dispatch mode calls this
+        only when ``op_count >= due_op``, so an op with nothing due costs one comparison."""
+        self.due_op = NEVER
+        placed = self._placed
         with self._context.hide_own_ops():
-            released = False
-            issues, releases = self._issues, self._releases
-            while issues and issues[0][0] <= op_count:
-                entry = heapq.heappop(issues)[2]()
-                if entry is not None and not entry.issued and not entry.restored:
+            for entry in placed.due(placed.swap_outs, op_count):
+                if not entry.issued and not entry.restored:
                     self._issue(entry)
-            while releases and releases[0][0] <= op_count:
-                entry = heapq.heappop(releases)[2]()
-                if entry is not None and entry.issued and entry.held is not None:
+            released = False
+            for entry in placed.due(placed.releases, op_count):
+                if entry.issued and entry.held is not None:
                     entry.release()
                     released = True
                     self.counters.placed.append((op_count, "release", entry.ordinal))
             if released:
                 self.device.release_completed_sources()
-            if self._triggers and self._triggers[0][0] <= op_count:
+            if placed.swap_ins and placed.swap_ins[0][0] <= op_count:
                 self._fire_triggers(op_count)
-        self.due_op = min((heap[0][0] for heap in (self._issues, self._releases, self._triggers) if heap), default=_NEVER)
+        self.due_op = placed.next_op()
 
     def _issue_overdue(self, everything: bool = False) -> None:
         """Backward began: swap-outs placed in the forward pass whose op never came (the sequence moved)
         start now, the latest safe point (before backward needs the link), and their originals go once
         copied; counted. Those placed in the backward pass keep their op. ``everything``: memory pressure,
         all pending ones start now."""
-        waiting = []
-        for item in self._issues:
-            entry = item[2]()
-            if entry is None or entry.issued or entry.restored:
-                continue
-            if everything or entry.out_in_forward:
-                if self._issue(entry):
-                    entry.release()
-                self.counters.late_swap_outs += not everything
-            else:
-                waiting.append(item)
-        heapq.heapify(waiting)
-        self._issues = waiting
-        self.due_op = min((heap[0][0] for heap in (self._issues, self._releases, self._triggers) if heap), default=_NEVER)
+        for entry in self._placed.take_swap_outs(everything):
+            if self._issue(entry):
+                entry.release()
+            self.counters.late_swap_outs += not everything
+        self.due_op = self._placed.next_op()
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         with self._context.hide_own_ops():
@@ -452,7 +463,7 @@ class SwapExecutor:
 
     def _unpack_quietly(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         self._unpacked = True
-        if self._triggers:
+        if self._placed.swap_ins:
             self._fire_triggers(self._context.op_clock())
         if isinstance(packed, KeptTensor):
             if packed.swapped is None:
@@ -468,11 +479,13 @@ class SwapExecutor:
             # issued in the forward pass lets go of its device block (NOTE [Release after copy] in
             # device/base.py).
             self._swapped_since_release = False
-            if self._issues:
+            if self._placed.swap_outs:
                 self._issue_overdue()
             self.device.release_all_sources()
         entry = packed.entry
-        if not entry.restored:
+        if not entry.restored and entry.recipe is not None:
+            self._rebuild(entry)
+        elif not entry.restored:
             if not entry.in_flight and entry.planned:
                 self.counters.on_demand += 1
             self._swap_in(entry)
@@ -498,11 +511,8 @@ class SwapExecutor:
 
     def _fire_triggers(self, op_count: int) -> None:
         """Start the planned swap-ins whose trigger op has been reached."""
-        triggers = self._triggers
-        while triggers and (op_count < 0 or triggers[0][0] <= op_count):
-            _, _, ref = heapq.heappop(triggers)
-            entry = ref()
-            if entry is None or entry.restored or entry.in_flight:
+        for entry in self._placed.due(self._placed.swap_ins, op_count):
+            if entry.restored or entry.in_flight:
                 continue
             if not self._prefetch(entry):
                 return
@@ -540,7 +550,7 @@ class SwapExecutor:
         (``release_all_sources`` + ``synchronize``); if that is not enough, swap out idle kept tensors
         synchronously, best fit first (passive swap). Counts ``passive_swaps`` and ``pressure_waits``."""
         before = self.device.live_bytes()
-        if self._issues:
+        if self._placed.swap_outs:
             self._issue_overdue(everything=True)
         self.device.release_all_sources()
         self.device.synchronize()
@@ -557,11 +567,9 @@ class SwapExecutor:
     def _release_early(self) -> None:
         """Under memory pressure, after ``synchronize``: originals held for a later release point go now
         (their copies have completed)."""
-        for _, _, ref in self._releases:
-            entry = ref()
-            if entry is not None and entry.issued and entry.held is not None:
+        for entry in self._placed.take_releases():
+            if entry.issued and entry.held is not None:
                 entry.release()
-        self._releases.clear()
         self.device.release_completed_sources()
 
     def _passive_swap(self, short_bytes: int) -> int:

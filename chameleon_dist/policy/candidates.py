@@ -45,7 +45,8 @@ class Candidate:
     save_op_index: int  # ops recorded when it was saved (the saving op is save_op_index - 1)
     coverage: int = 0
     score: float = 0.0
-    recompute_exact: bool = False  # the producer is deterministic and its inputs stay on the device
+    recompute_exact: bool = False  # see ``_mark_exact_recompute``
+    recompute_inputs: tuple[int, ...] = ()  # storage ids of the producer's non-parameter inputs
 
     @property
     def window(self) -> tuple[int, int]:
@@ -101,32 +102,46 @@ def find_candidates(trace: StepTrace, min_swap_bytes: int = 0) -> list[Candidate
 
 
 def _mark_exact_recompute(trace: StepTrace, candidates: list[Candidate]) -> None:
-    """Recompute is exact when the producer op is deterministic, produced only this storage, and every
-    input is a parameter or a storage that stays alive (not a candidate itself) until the first use."""
-    candidate_ids = {c.storage_id for c in candidates}
+    """Recompute is exact (NOTE [Per-tensor recompute] in executor/recompute.py) when the producer op is
+    deterministic and writes nothing in place, the storage is one of its outputs and was not written after,
+    and every input is a parameter, a storage alive until the candidate's first backward use, or a saved
+    storage (a candidate itself) that backward needs no earlier: one the executor brings back, kept, swapped
+    or recomputed, when it rebuilds this one."""
+    by_storage = {c.storage_id: c for c in candidates}
     written = set()  # storages some op modified in place (recomputing their producer would miss that)
     for op in trace.ops:
         if _is_inplace(trace.op_names[op.name_id]):
             written.update(trace.tensors[t].storage_id for t in op.outputs)
     for c in candidates:
         op = trace.ops[c.created_at]
-        name = trace.op_names[op.name_id]
-        if any(marker in name for marker in _INEXACT_MARKERS) or _is_inplace(name) or c.storage_id in written:
+        if not exactly_recomputable(trace.op_names[op.name_id]) or c.storage_id in written:
             continue
-        outputs = {trace.tensors[t].storage_id for t in op.outputs}
-        if outputs != {c.storage_id}:
+        if c.storage_id not in {trace.tensors[t].storage_id for t in op.outputs}:
             continue
-        ok = True
+        inputs, ok = [], bool(op.inputs)
         for t in op.inputs:
-            record = trace.tensors[t]
-            storage = trace.storages[record.storage_id]
+            storage_id = trace.tensors[t].storage_id
+            storage = trace.storages[storage_id]
             if storage.is_parameter:
                 continue
+            saved = by_storage.get(storage_id)
             alive = storage.freed_at < 0 or storage.freed_at > c.first_backward_use
-            if record.storage_id in candidate_ids or record.storage_id in written or not alive:
+            restorable = saved is not None and saved.first_backward_use >= c.first_backward_use
+            if storage_id == c.storage_id or storage_id in written or not (alive or restorable):
                 ok = False
                 break
-        c.recompute_exact = ok and bool(op.inputs)
+            inputs.append(storage_id)
+        c.recompute_exact = ok
+        c.recompute_inputs = tuple(dict.fromkeys(inputs))
+
+
+def exactly_recomputable(op_name: str, schema=None) -> bool:
+    """Whether re-running the op ``op_name`` ("aten.gelu.default") on the same inputs gives the same bytes:
+    no random numbers, no atomics-based kernels, no in-place or ``out=`` writes (``schema``, when given, is
+    the op's ``torch.FunctionSchema``; a mutable one is refused)."""
+    if any(marker in op_name for marker in _INEXACT_MARKERS) or _is_inplace(op_name):
+        return False
+    return schema is None or not schema.is_mutable
 
 
 def _is_inplace(op_name: str) -> bool:

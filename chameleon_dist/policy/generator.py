@@ -120,7 +120,7 @@ def generate_policies(trace: StepTrace, settings: PolicySettings, op_times_s: li
 def _generate(ctx: Context, variant: Variant) -> Policy:
     if variant.take_every_candidate:
         chosen = _within_host_budget(ctx.candidates, ctx.settings.host_budget_bytes, len(ctx.base_curve))
-        planned = _place(ctx, chosen, variant.allow_recompute)
+        planned = _place(ctx, chosen, variant)
         # (what the host budget leaves out here is not counted in ``host_kept_bytes``)
         return to_policy(ctx, variant, chosen=chosen, planned=planned, sim=ctx.simulate(planned), host_kept_bytes=0)
     s = ctx.settings
@@ -143,10 +143,10 @@ def _select(ctx: Context, variant: Variant, target_bytes: int) -> tuple[_Best, i
         added = _add_candidates(ctx, sel, variant.size_weight)
         if not added and best is not None:
             break
-        planned = _place(ctx, sel.chosen, variant.allow_recompute)
+        planned = _place(ctx, sel.chosen, variant)
         sim = ctx.simulate(planned)
         if _drop_useless(sel, planned, sim.outcomes, over_prefix):
-            planned = _place(ctx, sel.chosen, variant.allow_recompute)
+            planned = _place(ctx, sel.chosen, variant)
             sim = ctx.simulate(planned)
         if best is None or best.beaten_by(sim):
             best = _Best(list(sel.chosen), planned, sim)
@@ -239,33 +239,58 @@ def _within_host_budget(candidates: list[Candidate], host_budget_bytes: int | No
     return chosen
 
 
-def _place(ctx: Context, chosen: list[Candidate], allow_recompute: bool) -> list[Planned]:
-    """Trigger points from each layer's spare copy time (see the module docstring). ``chosen`` is put in
-    save order, the order the executor issues the copies in (the simulator's links are FIFO)."""
+def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Planned]:
+    """Trigger points from each layer's spare copy time (see the module docstring), and which candidates
+    are recomputed instead (``_recomputed``). ``chosen`` is put in save order, the order the executor
+    issues the copies in (the simulator's links are FIFO)."""
     chosen.sort(key=lambda c: (c.save_op_index, c.storage_id))
     s, groups, group_of, times = ctx.settings, ctx.groups, ctx.group_of, ctx.group_times_s
+    recompute = _recomputed(ctx, chosen, variant)
     spare_out = list(times)
     spare_in = list(times)
     planned: dict[int, Planned] = {}
-    for cand in sorted(chosen, key=lambda c: (c.save_op_index, c.storage_id)):
+    for cand in chosen:
         copy_s = cand.nbytes / s.d2h_bytes_per_s
+        if cand.storage_id in recompute:
+            continue
         save_op = max(cand.created_at, cand.save_op_index - 1)
         g = int(group_of[save_op])
-        at = save_op
+        at, hidden = save_op, False
         while g < len(groups) and groups[g].start < cand.first_backward_use:
             if spare_out[g] >= copy_s:
                 spare_out[g] -= copy_s
-                at = save_op if g == group_of[save_op] else groups[g].start
+                at, hidden = (save_op if g == group_of[save_op] else groups[g].start), True
                 break
             g += 1
+        if not hidden and variant.allow_recompute and cand.recompute_exact and \
+                ctx.op_times_s[cand.created_at] < copy_s:
+            recompute.add(cand.storage_id)  # no layer has the copy time: rebuilding is cheaper than waiting
+            continue
         planned[cand.storage_id] = Planned(
             nbytes=cand.nbytes, decision=Decision.SWAP, last_forward_use=cand.last_forward_use,
             first_backward_use=cand.first_backward_use, swap_out_at=at,
         )
+    # an input of a recomputed tensor is needed (back on the device) when that tensor is rebuilt
+    needed_at = {c.storage_id: c.first_backward_use for c in chosen}
     for cand in sorted(chosen, key=lambda c: (c.first_backward_use, c.storage_id)):
+        use = needed_at[cand.storage_id]
+        if cand.storage_id in recompute or (
+            variant.allow_recompute and cand.recompute_exact and _uncovered_in_s(ctx, cand, use, spare_in)
+            > ctx.op_times_s[cand.created_at]
+        ):
+            recompute.add(cand.storage_id)
+            planned[cand.storage_id] = Planned(
+                nbytes=cand.nbytes, decision=Decision.RECOMPUTE, last_forward_use=cand.last_forward_use,
+                first_backward_use=use, recompute_s=ctx.op_times_s[cand.created_at],
+            )
+            for storage_id in cand.recompute_inputs:
+                if storage_id in needed_at:
+                    needed_at[storage_id] = min(needed_at[storage_id], use)
+            continue
         p = planned[cand.storage_id]
+        p.first_backward_use = use
         copy_s = cand.nbytes / s.h2d_bytes_per_s
-        use_group = int(group_of[cand.first_backward_use])
+        use_group = int(group_of[use])
         lowest = int(group_of[min(len(group_of) - 1, cand.last_forward_use + 1)]) + 1
         covered, g = 0.0, use_group - 1
         while g >= lowest and g >= 0:
@@ -274,25 +299,50 @@ def _place(ctx: Context, chosen: list[Candidate], allow_recompute: bool) -> list
                 break
             g -= 1
         g = max(g, lowest, 0) if use_group > 0 else use_group
-        uncovered_s = max(0.0, copy_s - covered)
-        recompute_s = ctx.op_times_s[cand.created_at]
-        if allow_recompute and cand.recompute_exact and uncovered_s > recompute_s:
-            planned[cand.storage_id] = Planned(
-                nbytes=cand.nbytes, decision=Decision.RECOMPUTE, last_forward_use=cand.last_forward_use,
-                first_backward_use=cand.first_backward_use, recompute_s=recompute_s,
-            )
-            continue
         need = copy_s
         for h in range(g, use_group):
             take = min(need, spare_in[h])
             spare_in[h] -= take
             need -= take
-        earliest = min(groups[g].start, cand.first_backward_use) if g < use_group else cand.first_backward_use
+        earliest = min(groups[g].start, use) if g < use_group else use
         # just in time: the latest op from which the compute before the use covers the copy (no earlier
         # than the layer found above, which had the spare link time)
-        at, ahead_s = cand.first_backward_use, 0.0
+        at, ahead_s = use, 0.0
         while at > earliest and ahead_s < copy_s * s.prefetch_slack:
             at -= 1
             ahead_s += ctx.op_times_s[at]
         p.swap_in_at = max(at, cand.last_forward_use + 1, p.swap_out_at + 1)  # (never back before it left)
     return [planned[c.storage_id] for c in chosen]
+
+
+def _uncovered_in_s(ctx: Context, cand: Candidate, use: int, spare_in: list[float]) -> float:
+    """Copy seconds of ``cand``'s swap-in that the spare link time of the layers between its window's start
+    and ``use`` cannot hide."""
+    copy_s = cand.nbytes / ctx.settings.h2d_bytes_per_s
+    group_of = ctx.group_of
+    use_group = int(group_of[use])
+    lowest = int(group_of[min(len(group_of) - 1, cand.last_forward_use + 1)]) + 1
+    covered = sum(spare_in[g] for g in range(max(lowest, 0), use_group))
+    return max(0.0, copy_s - covered)
+
+
+def _recomputed(ctx: Context, chosen: list[Candidate], variant: Variant) -> set[int]:
+    """Candidates recomputed before any copy time is placed: with ``prefer_recompute``, every exact one whose
+    rebuild takes less than its copy; else, when the chosen copies need more link time (either direction)
+    than the whole iteration gives, the exact ones cheapest to rebuild per byte until the rest fits."""
+    if not variant.allow_recompute:
+        return set()
+    s, times = ctx.settings, ctx.op_times_s
+    exact = [c for c in chosen if c.recompute_exact]
+    if variant.prefer_recompute:
+        return {c.storage_id for c in exact if times[c.created_at] < c.nbytes / s.d2h_bytes_per_s}
+    supply_s = sum(times)
+    rate = min(s.d2h_bytes_per_s, s.h2d_bytes_per_s)
+    demand_s = sum(c.nbytes for c in chosen) / rate
+    recompute: set[int] = set()
+    for c in sorted(exact, key=lambda c: (times[c.created_at] / c.nbytes, c.storage_id)):
+        if demand_s <= supply_s:
+            break
+        recompute.add(c.storage_id)
+        demand_s -= c.nbytes / rate
+    return recompute

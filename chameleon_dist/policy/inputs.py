@@ -58,6 +58,7 @@ class Variant:
     margin: float = 0.0  # aim this share of the needed reduction (no-swap peak - budget) further under the budget
     allow_recompute: bool = True
     take_every_candidate: bool = False  # the fallback: no selection, every candidate the host budget allows
+    prefer_recompute: bool = False  # recompute every exactly recomputable candidate cheaper to rebuild than to copy
 
     @property
     def recorded_margin(self) -> float:
@@ -70,6 +71,7 @@ def variants(settings: PolicySettings) -> list[Variant]:
     return [
         Variant("balanced", c, 0.0, recompute),
         Variant("margin5", c, 0.05, recompute),
+        Variant("recompute-first", c, 0.0, recompute, prefer_recompute=True),
         Variant("coverage-first", c / 4, 0.0, recompute),
         Variant("size-first", c * 4, 0.0, recompute),
         Variant("swap-only-margin10" if recompute else "margin10", c, 0.10, allow_recompute=False),

@@ -206,8 +206,11 @@ class TraceRecorder(TorchDispatchMode):
             inside = phase is not OTHER and (phase is not OPTIMIZER or self._scope.in_autograd())
             self.signature_ids.append(name_id if inside else ~name_id)
         listener = self.listener  # the op clock, as SignatureMode drives it
-        if listener is not None and len(self.ops) >= listener.due_op:
-            listener.on_op(len(self.ops))
+        if listener is not None:
+            if listener.captures_producers:
+                listener.on_produced(func, args, kwargs, out)
+            if len(self.ops) >= listener.due_op:
+                listener.on_op(len(self.ops))
         return out
 
     def _scan(self, values, into: list[int], created_now: bool) -> None:

@@ -66,11 +66,15 @@ class OpVocabulary:
 class OpListener(Protocol):
     """Hears the op clock: ``on_op(n)`` once ``n`` ops of the iteration have run, when ``n >= due_op``
     (the swap executor's placed swap-outs, releases and swap-ins; NOTE [Placed swaps] in
-    executor/swap.py). The comparison is all an op with nothing due costs."""
+    executor/swap.py). The comparison is all an op with nothing due costs. While ``captures_producers``,
+    it also hears every op with its arguments and result (the producers of tensors a policy recomputes)."""
 
     due_op: int
+    captures_producers: bool  # hear every op with its arguments and result (``on_produced``)
 
     def on_op(self, op_count: int) -> None: ...
+
+    def on_produced(self, func, args, kwargs, out) -> None: ...
 
 
 class SignatureMode(TorchDispatchMode):
@@ -107,6 +111,8 @@ class SignatureMode(TorchDispatchMode):
                 listener = self.listener
                 if listener is not None:
                     out = func(*args, **(kwargs or {}))
+                    if listener.captures_producers:
+                        listener.on_produced(func, args, kwargs, out)
                     if len(ids) >= listener.due_op:
                         listener.on_op(len(ids))
                     return out

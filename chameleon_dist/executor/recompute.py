@@ -1,0 +1,163 @@
+"""Per-tensor recomputation: a saved tensor the policy marks RECOMPUTE leaves the device with no copy at all
+and is rebuilt from its producer's inputs when backward needs it (NOTE [Per-tensor recompute]).
+
+``ProducerLog`` remembers the last few forward ops (the op, its arguments and its outputs, every tensor held
+weakly: the log never keeps memory alive) so that, when autograd saves a tensor the policy recomputes, its
+producer is found by storage; a ``Recipe`` then holds what rebuilding it needs: the op, its non-tensor
+arguments, and each tensor argument as a packed saved tensor of its own (kept, swapped or itself
+recomputed), so that backward gets the inputs back the way it gets any saved tensor.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from chameleon_dist.device.base import byte_view
+from chameleon_dist.device.meter import storage_key
+from chameleon_dist.policy.candidates import exactly_recomputable
+
+# NOTE [Per-tensor recompute]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The generator marks a saved storage exactly recomputable when its producer is deterministic (no random
+# numbers, no atomics-based kernel), writes nothing in place, and every input is a parameter or a storage
+# that is still there (or restorable: saved for backward itself) when backward needs the output. The
+# executor checks the same at run time: the producer must be one of the last ``RING_OPS`` forward ops, must
+# have created the storage (not a view or an in-place op on one of its inputs), and must pass
+# ``exactly_recomputable`` by name. Its tensor inputs are packed like saved tensors (``KeptTensor`` or the
+# ``SwappedTensor`` of the entry that swaps or recomputes their storage), so an input changed in place
+# after the save raises as autograd would, and a swapped input comes back first. The rebuild runs the same
+# aten op under ``no_grad`` with autocast off (the op was recorded after autocast chose its dtypes), and the
+# result must have the original output's dtype, size, stride, offset and storage size: same op, same
+# inputs, deterministic kernel, hence the same bytes. Anything else keeps the tensor on the device (counted)
+# rather than guess; a rebuild that cannot happen raises, naming ``executor.allow_recompute``.
+
+RING_OPS = 8
+"""Forward ops the producer log remembers: autograd saves an op's output when a later op consumes it,
+usually within a few ops (views and a weight transpose come between)."""
+
+
+class _Weak:
+    """A tensor argument held weakly in the producer log."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref = weakref.ref(tensor)
+
+
+def _weak(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _Weak(value)
+    if type(value) is list or type(value) is tuple:  # (aten schemas nest at most one list deep)
+        return type(value)(_Weak(v) if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
+class RecomputeUnavailable(RuntimeError):
+    """A tensor planned for recomputation cannot be rebuilt exactly."""
+
+
+class Recipe:
+    """How to rebuild one storage: ``func(*args, **kwargs)[output_index]`` with packed tensor inputs."""
+
+    __slots__ = ("func", "args", "kwargs", "output_index", "dtype", "size", "stride", "offset", "nbytes")
+
+    def __init__(self, func, args, kwargs, output_index: int | None, output: torch.Tensor) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.output_index = output_index
+        self.dtype, self.size, self.stride = output.dtype, output.size(), output.stride()
+        self.offset = output.storage_offset()
+        self.nbytes = output.untyped_storage().nbytes()
+
+    def run(self, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The rebuilt storage's bytes. ``unpack`` turns a packed input back into its tensor."""
+        args = _materialize(self.args, unpack)
+        kwargs = {k: _materialize(v, unpack) for k, v in self.kwargs.items()}
+        with torch.no_grad(), torch._C._DisableAutocast():
+            out = self.func(*args, **kwargs)
+        if self.output_index is not None:
+            out = out[self.output_index]
+        if (not isinstance(out, torch.Tensor) or out.dtype != self.dtype or out.size() != self.size
+                or out.stride() != self.stride or out.storage_offset() != self.offset
+                or out.untyped_storage().nbytes() != self.nbytes):
+            raise RecomputeUnavailable(
+                f"recomputing {self.func} gave a tensor laid out unlike the one it replaces; set "
+                "executor.allow_recompute: false to swap instead (and please report the op)"
+            )
+        return byte_view(out.untyped_storage())
+
+
+def _materialize(value: Any, unpack: Callable[[Any], torch.Tensor]) -> Any:
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_materialize(v, unpack) for v in value)
+    if isinstance(value, _Packed):
+        return unpack(value.packed)
+    return value
+
+
+class _Packed:
+    """A tensor input of a recipe, packed like a saved tensor."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
+
+
+class ProducerLog:
+    """The last ``RING_OPS`` forward ops, every tensor held weakly (see the module docstring)."""
+
+    def __init__(self, size: int = RING_OPS) -> None:
+        self._ops: collections.deque = collections.deque(maxlen=size)
+
+    def clear(self) -> None:
+        self._ops.clear()
+
+    def note(self, func, args, kwargs, out) -> None:
+        outputs = out if type(out) is tuple or type(out) is list else (out,)
+        self._ops.append((func, _weak(tuple(args)), {k: _weak(v) for k, v in (kwargs or {}).items()},
+                          tuple(weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in outputs),
+                          type(out) is tuple or type(out) is list))
+
+    def recipe_for(self, storage: torch.UntypedStorage, pack: Callable[[torch.Tensor], Any]) -> Recipe | None:
+        """A recipe for ``storage`` from the op that created it, its tensor inputs packed with ``pack``;
+        None when that op is not in the log, is not exactly recomputable, or an input is gone."""
+        key = storage_key(storage)
+        for func, args, kwargs, outputs, several in reversed(self._ops):
+            index = next((i for i, ref in enumerate(outputs)
+                          if ref is not None and (t := ref()) is not None and storage_key(t.untyped_storage()) == key), None)
+            if index is None:
+                continue
+            output = outputs[index]()
+            inputs = [w.ref() for v in (*args, *kwargs.values()) for w in _weak_items(v)]
+            if any(t is None for t in inputs):
+                return None  # an input is gone: cannot rebuild
+            if any(storage_key(t.untyped_storage()) == key for t in inputs):
+                continue  # a view of, or a write to, one of its inputs: the creator came earlier
+            if not exactly_recomputable(str(func), getattr(func, "_schema", None)):
+                return None
+
+            def packed(value: Any) -> Any:
+                if isinstance(value, _Weak):
+                    return _Packed(pack(value.ref()))
+                if type(value) is list or type(value) is tuple:
+                    return type(value)(packed(v) for v in value)
+                return value
+
+            return Recipe(func, packed(args), {k: packed(v) for k, v in kwargs.items()},
+                          index if several else None, output)
+        return None
+
+
+def _weak_items(value: Any) -> list[_Weak]:
+    if isinstance(value, _Weak):
+        return [value]
+    if type(value) is list or type(value) is tuple:
+        return [v for v in value if isinstance(v, _Weak)]
+    return []

@@ -1,0 +1,174 @@
+"""Per-tensor recomputation in the runtime (NOTE [Per-tensor recompute] in executor/recompute.py): RECOMPUTE
+decisions are carried out bit-identically on a model full of GELU, SwiGLU and norms, swap and recompute
+mix in one policy, ``executor.allow_recompute: false`` forbids it, and where the host link is too slow for
+swapping alone, swap + recompute meets the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from chameleon_dist import Chameleon
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.policy.generator import generate_policies
+from chameleon_dist.policy.inputs import PolicySettings
+from chameleon_dist.policy.model import Decision, Infeasibility
+
+VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 64, 64, 3, 2, 64
+STEPS = 8
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    """RMSNorm + SwiGLU, then LayerNorm + GELU MLP, each with a residual: elementwise ops and norms whose
+    outputs are cheap to rebuild and costly to copy."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(hidden)
+        self.gate = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Block(HIDDEN) for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _train(chameleon: Chameleon, steps: int = STEPS, after_step=None):
+    torch.manual_seed(0)
+    model = chameleon.attach(Model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+
+        def closure():
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            return loss.detach()
+
+        losses.append(chameleon.run_iteration(closure, optimizer=optimizer))
+        optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(chameleon)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    probe = Chameleon({"enabled": False}, device=EmulatedDevice(10**11))
+    losses, params = _train(probe)
+    # a detailed trace with the saves recorded (the executor reports them; instant link, nothing to wait for)
+    tracer = Chameleon({"profiler": {"warmup_iterations": 1}}, device=EmulatedDevice(10**11))
+    _train(tracer, steps=1)
+    return probe.last_report.peak_device_bytes, probe.last_report.iteration_s, losses, params, tracer.last_trace
+
+
+def _slow_link_config(peak_bytes: int, iteration_s: float, allow_recompute: bool, share: float = 0.85) -> tuple:
+    """A budget that needs a fair share of the activations off the device, and a link that moves a few
+    percent of the peak per iteration: swapping alone cannot keep up."""
+    rate = peak_bytes / iteration_s / 40
+    device = EmulatedDevice(int(peak_bytes * share), h2d_bytes_per_s=rate, d2h_bytes_per_s=rate)
+    config = {"memory_budget": int(peak_bytes * share), "min_swap_bytes": 4096,
+              "profiler": {"warmup_iterations": 1, "policy_trials": 3},
+              "executor": {"allow_recompute": allow_recompute}}
+    return config, device
+
+
+def test_recompute_runs_bit_identically_and_mixes_with_swap(reference):
+    peak_bytes, iteration_s, ref_losses, ref_params, _ = reference
+    config, device = _slow_link_config(peak_bytes, iteration_s, allow_recompute=True)
+    chameleon = Chameleon(config, device=device)
+    recomputed = []
+
+    def note(ch: Chameleon) -> None:
+        recomputed.append((ch.last_report.recomputed_bytes, ch.last_report.swap_out_bytes))
+
+    losses, params = _train(chameleon, after_step=note)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    assert max(r for r, _ in recomputed) > 0, "no tensor was recomputed"
+    assert any(r > 0 and s > 0 for r, s in recomputed), "no iteration both swapped and recomputed"
+    assert chameleon.last_report.recompute_unavailable == 0
+
+
+def test_allow_recompute_false_forbids_it(reference):
+    peak_bytes, iteration_s, ref_losses, ref_params, _ = reference
+    config, device = _slow_link_config(peak_bytes, iteration_s, allow_recompute=False)
+    chameleon = Chameleon(config, device=device)
+    recomputed = []
+    losses, params = _train(chameleon, after_step=lambda ch: recomputed.append(ch.last_report.recomputed_bytes))
+    assert recomputed == [0] * STEPS
+    assert all(not any(e.decision == Decision.RECOMPUTE for e in p.entries) for p in chameleon.controller.candidates)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+
+
+def test_link_bound_budget_needs_recompute(reference):
+    """Swap-only policies are predicted short because the link is too slow; swap + recompute fits, and is
+    predicted faster than recomputing whole layers (the forward pass of every layer once more)."""
+    peak_bytes, iteration_s, _, _, trace = reference
+    rate = peak_bytes / iteration_s / 40
+    settings = dict(budget_bytes=int(peak_bytes * 0.85), d2h_bytes_per_s=rate, h2d_bytes_per_s=rate, min_swap_bytes=4096)
+    swap_only = generate_policies(trace, PolicySettings(**settings, allow_recompute=False))
+    assert not swap_only.feasible
+    assert swap_only.best.infeasibility == Infeasibility.LINK_TOO_SLOW
+    mixed = generate_policies(trace, PolicySettings(**settings, allow_recompute=True))
+    assert mixed.feasible, mixed.best.summary()
+    best = mixed.best
+    assert best.saved_bytes(Decision.RECOMPUTE) > 0
+    forward_s = sum(t for layer, t in trace.layer_times_s.items() if layer >= 0)
+    assert best.predicted_iteration_s < best.compute_s + forward_s
+
+
+def test_input_changed_in_place_after_the_save_raises():
+    """A recomputed tensor's producer input written in place after the save: recomputing would give other
+    bytes, so unpacking raises (as autograd would for a saved input), never a silently wrong gradient."""
+    from chameleon_dist.executor import SwapExecutor
+    from chameleon_dist.executor.recompute import ProducerLog
+
+    device = EmulatedDevice(10**9)
+    executor = SwapExecutor(device, min_swap_bytes=0)
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    log = ProducerLog()
+    with device.active():
+        h = x * 2  # not a leaf: its storage is an activation
+        device.track(h)
+        y = torch.nn.functional.gelu(h)
+        log.note(torch.ops.aten.gelu.default, (h,), {}, y)
+        recipe = log.recipe_for(y.untyped_storage(), executor._pack_input)
+        assert recipe is not None
+        h.add_(1.0)  # after the save
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            recipe.run(executor._unpack_quietly)
