@@ -8,7 +8,9 @@ from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.policy.model import Decision
+from chameleon_dist.executor import IterationContext, SwapExecutor
+from chameleon_dist.executor.context import SwapCounters
+from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
 from tests.models import make_lm
 
 MODEL = dict(vocab=64, hidden=64, heads=4, layers=4, dropout=0.0)
@@ -104,3 +106,48 @@ def test_delayed_swap_outs_are_issued_and_released_at_the_policys_ops():
     assert all(torch.equal(a, b) for a, b in zip(losses, reference_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(params, reference_params, strict=True))
     assert checked and max(checked) > 0, "no policy delayed a swap-out: the test needs a slower planned link"
+
+
+def _one_entry_policy(swap_out_at: int, release_at: int, swap_in_at: int, first_backward_use: int) -> Policy:
+    """A policy for one saved float32[64, 64] storage, saved when 1 op had run (matched on its shape)."""
+    entry = PolicyEntry(
+        decision=Decision.SWAP, nbytes=64 * 64 * 4, micro_batch=0, layer=0, group=0, save_ordinal=0,
+        layer_save_ordinal=0, save_op_index=1, calling_op="aten.exp.default", arg_position=-1, dtype="float32",
+        shape=(64, 64), tensor_nbytes=64 * 64 * 4, swap_out_at=swap_out_at, last_forward_use=1,
+        release_at=release_at, swap_in_at=swap_in_at, first_backward_use=first_backward_use,
+    )
+    return Policy(name="one", budget_bytes=1, feasible=True, predicted_peak_bytes=0, no_swap_peak_bytes=0,
+                  predicted_stall_s=0.0, predicted_recompute_s=0.0, predicted_iteration_s=0.0, compute_s=0.0,
+                  entries=[entry], layers=[], num_ops=30, trace_iteration=1, settings={},
+                  save_keys=["float32[64, 64]"])
+
+
+def _run_one(policy: Policy, ops_before_backward: int) -> SwapCounters:
+    """Save one tensor at op 1, run the op clock to ``ops_before_backward``, then backward."""
+    device = EmulatedDevice(10**9)
+    executor = SwapExecutor(device, min_swap_bytes=0)
+    clock = [1]
+    context = IterationContext(policy=policy, op_clock=lambda: clock[0])
+    x = torch.randn(64, 64, requires_grad=True)
+    with device.active(), executor.active(context) as counters:
+        y = (x * 2).exp()  # exp saves its output: the policy's save 0
+        for op_count in range(2, ops_before_backward + 1):
+            clock[0] = op_count
+            if op_count >= executor.due_op:
+                executor.on_op(op_count)
+        y.sum().backward()
+    assert torch.equal(x.grad, (x.detach() * 2).exp() * 2)
+    return counters
+
+
+def test_a_swap_out_is_issued_at_its_op_and_released_at_its_own():
+    counters = _run_one(_one_entry_policy(swap_out_at=5, release_at=8, swap_in_at=20, first_backward_use=25), 12)
+    assert [(op, kind) for op, kind, _ in counters.placed][:2] == [(6, "out"), (9, "release")]
+    assert counters.delayed_swap_outs == 1 and counters.late_swap_outs == 0
+
+
+def test_a_swap_out_whose_op_never_comes_is_issued_when_backward_begins():
+    """The sequence moved: backward begins (op 4) before the swap-out's placed op (6) came in the
+    forward pass. It is issued then, counted, and the gradient is right."""
+    counters = _run_one(_one_entry_policy(swap_out_at=5, release_at=8, swap_in_at=20, first_backward_use=25), 4)
+    assert counters.late_swap_outs == 1 and counters.swap_out_bytes == 64 * 64 * 4
