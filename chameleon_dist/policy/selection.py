@@ -72,6 +72,7 @@ STRICTER_SHARE = 0.1
 the needed reduction (no-swap peak - budget) when it fails outside a trial (out of memory, Stable) or by an
 amount not known. A trial's known miss is added as measured: the trials go on, each narrower."""
 
+
 class PolicyController:
     """Chooses, tries, keeps and tightens swap policies for one runtime.
 
@@ -108,6 +109,7 @@ class PolicyController:
         self.chosen: Policy | None = None
         self.version = 0
         self.reserve_bytes = 0  # how far under the budget the next policies aim
+        self._explore_bytes = 0  # ... and further, until the next GenPolicy stage (``TrialFeedback.explore_bytes``)
         self.time_scale = 1.0  # measured compute time / the trace's, learned from the trials
         self.generation_s = 0.0
         self.headroom_bytes = 0  # how much one policy's peak moved between its trials, when one was chosen
@@ -158,7 +160,7 @@ class PolicyController:
         if stage == Stage.GEN_POLICY:
             if self._need_policies or self._regenerate:
                 if self._need_policies:
-                    self.results = []
+                    self.results, self._explore_bytes = [], 0
                 self._need_policies = False
                 if trace is None:
                     return None
@@ -177,13 +179,10 @@ class PolicyController:
         self.tightened_in_place = self.absorbed_passive_swaps = False
         if outcome.stage == Stage.GEN_POLICY and policy is not None:
             held = trial_held(policy, outcome.peak_bytes, allowed, outcome.passive_swaps, outcome.oom_retries)
-            # a trial on a shape larger than the traced one that failed, failed for the shape: it counts as
-            # not held, but neither aims the next policies lower nor stops the other trials (scaling comes
-            # first once a policy is chosen)
+            # a trial on a shape larger than the traced one that failed, failed for the shape: no feedback
             grew = self._growth(outcome) > 1 + GROWTH_TOLERANCE
             self._record_trial(outcome, held, grew)
-            # a trial's passive swaps are its result, fed back into the next policies (``_record_trial``):
-            # profiling again would only swap everything for warmup_iterations and then trace the same job
+            # a trial's passive swaps are fed back (``_record_trial``); profiling again would swap everything
             self.absorbed_passive_swaps = bool(outcome.passive_swaps and not outcome.oom_retries)
         if policy is None and not outcome.oom_retries:  # what the last resort measured, to compare trials with
             self._swap_all_iteration_s = outcome.iteration_s
@@ -245,8 +244,10 @@ class PolicyController:
         return outcome.saved_bytes / traced if traced and outcome.saved_bytes else 1.0
 
     def _settings_now(self) -> PolicySettings:
-        """What the latest generation worked with: the settings, its ``min_swap_bytes``, the reserve now."""
-        return dataclasses.replace(self.settings, min_swap_bytes=self._min_swap_bytes, reserve_bytes=self.reserve_bytes)
+        """What the latest generation worked with (the settings, its ``min_swap_bytes``), aiming the reserve
+        now under the budget, plus what this GenPolicy stage explores (or the chosen policy explored)."""
+        reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + self._explore_bytes)
+        return dataclasses.replace(self.settings, min_swap_bytes=self._min_swap_bytes, reserve_bytes=reserve_bytes)
 
     def _tighten_in_place(self, policy: Policy, shortfall_bytes: int, reason: str) -> bool:
         """A Stable overshoot within the capacity: a stricter policy from the same trace, without trials.
@@ -256,7 +257,8 @@ class PolicyController:
         if not within_capacity or self._in_place_left <= 0 or self._trace is None or policy is not self.chosen:
             return False
         step_bytes = max(1, 2 ** (MAX_IN_PLACE_TIGHTENINGS - self._in_place_left) * shortfall_bytes)
-        stricter, self.reserve_bytes = stricter_than(policy, self._trace, self._scaled_for, self._settings_now(), step_bytes)
+        stricter, reserve_bytes = stricter_than(policy, self._trace, self._scaled_for, self._settings_now(), step_bytes)
+        self.reserve_bytes = reserve_bytes - self._explore_bytes
         if not stricter:
             logger.info("%s; no stricter policy is predicted: profiling again", reason)
             return False
@@ -312,7 +314,7 @@ class PolicyController:
         self.generation_s = time.perf_counter() - start
         self._regenerate = False
         feasible = [p for p in result.policies if p.feasible]
-        if not feasible and any(r.held for r in self.results):
+        if not feasible and any(r.held and r.policy.feasible for r in self.results):
             # feedback made the model stricter than reality: keep trying what already held
             logger.info("regenerated policies are predicted not to fit; keeping the ones that held")
             return
@@ -323,7 +325,7 @@ class PolicyController:
         logger.info(
             "generated %d policies (%d predicted to fit) from iteration %d in %.3f s, aiming %s under the "
             "budget; best: %s", len(result.policies), len(feasible), trace.iteration, self.generation_s,
-            format_bytes(self.reserve_bytes), best.summary().splitlines()[0] if best else "none",
+            format_bytes(settings.reserve_bytes), best.summary().splitlines()[0] if best else "none",
         )
         if best is not None and not best.feasible:
             logger.warning("no policy is predicted to fit the memory budget (%s); trying the closest ones, passive "
@@ -341,11 +343,13 @@ class PolicyController:
             self._regenerate = True
             logger.info("policy %s stalled %.1f ms (predicted %.1f): op times rescaled by %.2f", policy.name,
                         outcome.stall_s * 1e3, policy.predicted_stall_s * 1e3, feedback.time_ratio)
-        if feedback.miss_bytes:
+        if feedback.miss_bytes or feedback.explore_bytes:
             self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + feedback.miss_bytes)
+            self._explore_bytes += feedback.explore_bytes
             self._regenerate = True
-            logger.info("policy %s %s %s more than predicted: next policies aim %s under the budget", policy.name,
-                        feedback.miss, format_bytes(feedback.miss_bytes), format_bytes(self.reserve_bytes))
+            moved_bytes, aim_bytes = feedback.miss_bytes + feedback.explore_bytes, self._settings_now().reserve_bytes
+            logger.info("policy %s %s %s: the next trials aim %s under the budget", policy.name, feedback.miss,
+                        format_bytes(moved_bytes), format_bytes(aim_bytes))
 
     def _stricter_step_bytes(self) -> int:
         """``STRICTER_SHARE`` of the needed reduction of the latest trace (at least one byte)."""
@@ -361,17 +365,14 @@ class PolicyController:
             return
         choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s)
         if choice.best is None:
-            if choice.swap_all_faster:
-                logger.warning(
-                    "swapping every eligible tensor was measured faster (%.1f ms/iteration) than every policy that "
-                    "held (fastest %.1f ms): swapping everything until the next policy", self._swap_all_iteration_s
-                    * 1e3, min(r.iteration_s for r in self.results if r.held) * 1e3)
-            else:
-                logger.warning(
-                    "none of %d policy trials held the memory budget; swapping every eligible tensor until the "
-                    "next policy (lower memory_budget or min_swap_bytes if this repeats)", len(self.results))
+            logger.warning("%s; swapping every eligible tensor until the next policy", (
+                f"swapping everything was measured faster ({self._swap_all_iteration_s * 1e3:.1f} ms/iteration) than "
+                f"every policy that held" if choice.swap_all_faster else f"none of {len(self.results)} policy trials "
+                "held the memory budget (lower memory_budget or min_swap_bytes if this repeats)"))
             return
         best = choice.best
+        # policies without trials (in place, grown shapes) start from what the chosen one aimed for
+        self._explore_bytes = max(0, int(best.policy.settings.get("reserve_bytes", 0)) - self.reserve_bytes)
         self.headroom_bytes = choice.headroom_bytes
         self.chosen = best.policy
         self.version += 1

@@ -69,12 +69,15 @@ class Choice:
 @dataclasses.dataclass(frozen=True)
 class TrialFeedback:
     """What one trial tells the next generation (``trial_feedback``): ``time_ratio``, the measured compute
-    time over the policy's when the trace's op times were off (None: they were not), and ``miss_bytes``,
-    how much lower the next policies aim (0: no miss), with ``miss`` saying why in words."""
+    time over the policy's when the trace's op times were off (None: they were not), ``miss_bytes``, how
+    much lower the next policies aim (0: no miss), with ``miss`` saying why in words, and
+    ``explore_bytes``, how much lower the next policies of this GenPolicy stage only aim (a policy
+    predicted short that held with passive swaps)."""
 
     time_ratio: float | None
     miss_bytes: int
     miss: str
+    explore_bytes: int = 0
 
 
 def compute_only(trace: StepTrace, stall_s: float, time_scale: float) -> StepTrace:
@@ -98,8 +101,12 @@ def trial_feedback(outcome: IterationOutcome, budget_bytes: int, unknown_miss_by
       next ones aim lower by as much as it missed (the peak over its prediction; the bytes passive swap
       moved, ``unknown_miss_bytes`` when those are not known): the simulator's error narrows the next
       attempt, and the trials go on. Not when the iteration ``grew`` (saved more than the traced one: the
-      miss is the shape's), and not for passive swaps under a policy predicted short (its design: its
-      trial measures what they cost);
+      miss is the shape's);
+    - a policy predicted short that held with passive swaps missed nothing it promised, but passive swap
+      copies synchronously at the peak and fetches back on demand, where a planned swap overlaps compute:
+      the next policies of the same stage aim lower by the bytes passive swap moved (``explore_bytes``),
+      so the trials also measure policies that plan what passive swap had to do (the generator still
+      predicts them short; the measured time decides);
     - a policy that stalled more than predicted because the trace's op times were off (the profiled
       iteration ran with the detailed recorder, whose cost is not the job's) rescales the op times by the
       compute time this iteration actually took. A link-bound trial (stalled half its time or more) says
@@ -112,9 +119,13 @@ def trial_feedback(outcome: IterationOutcome, budget_bytes: int, unknown_miss_by
     if grew:
         return TrialFeedback(time_ratio, 0, "")
     if outcome.peak_bytes > budget_bytes and outcome.peak_bytes > policy.predicted_peak_bytes:
-        return TrialFeedback(time_ratio, outcome.peak_bytes - max(policy.predicted_peak_bytes, 1), "peaked")
+        return TrialFeedback(time_ratio, outcome.peak_bytes - max(policy.predicted_peak_bytes, 1),
+                             "peaked above its prediction by")
     if outcome.passive_swaps and not outcome.oom_retries and policy.feasible:
-        return TrialFeedback(time_ratio, max(1, outcome.passive_swap_bytes or unknown_miss_bytes), "passive-swapped")
+        return TrialFeedback(time_ratio, max(1, outcome.passive_swap_bytes or unknown_miss_bytes),
+                             "was predicted to fit but passive swap moved")
+    if outcome.passive_swaps and not outcome.oom_retries and outcome.peak_bytes <= budget_bytes:
+        return TrialFeedback(time_ratio, 0, "held predicted short; passive swap moved", outcome.passive_swap_bytes)
     return TrialFeedback(time_ratio, 0, "")
 
 
@@ -125,12 +136,18 @@ def trial_order(policies: list[Policy]) -> list[Policy]:
     return feasible or sorted(policies, key=lambda p: (p.shortfall_bytes, p.predicted_iteration_s))
 
 
+def policy_key(policy: Policy) -> tuple:
+    """What makes two policies the same plan (the generator's own duplicate test): a regeneration that
+    comes back with a policy already tried has nothing new to measure."""
+    return tuple((e.save_ordinal, e.decision, e.swap_out_at, e.swap_in_at) for e in policy.entries)
+
+
 def next_trial(candidates: list[Policy], results: list[TrialResult]) -> Policy | None:
-    """The next candidate not tried yet since the last generation (cycling when all were)."""
+    """The next candidate whose plan was not tried yet in this GenPolicy stage (cycling when all were)."""
     if not candidates:
         return None
-    tried = {id(r.policy) for r in results}
-    fresh = [p for p in candidates if id(p) not in tried]
+    tried = {policy_key(r.policy) for r in results}
+    fresh = [p for p in candidates if policy_key(p) not in tried]
     return fresh[0] if fresh else candidates[len(results) % len(candidates)]
 
 
