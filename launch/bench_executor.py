@@ -35,6 +35,9 @@ parameters are compared with ``torch.equal`` to the unconstrained run's.
 
     .venv/bin/python launch/bench_executor.py --json runs/bench_executor.json   # ~3 min on 2 cores
     .venv/bin/python launch/bench_executor.py --small                           # seconds (smoke test)
+    .venv/bin/python launch/bench_executor.py --shape llm-like                  # wider layers (see SHAPES)
+
+launch/bench_sweep.py runs this benchmark over hide-shares and links (it imports the pieces from here).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from machine_info import run_benchmark  # noqa: E402
-from toy_gpt import GPT  # noqa: E402
+from toy_gpt import GPT, forward_matmul_flop  # noqa: E402
 
 import torch
 from torch import nn
@@ -68,12 +71,46 @@ MIB = 2**20
 VARIANTS = ("unconstrained", "chameleon", "baseline", "save_on_cpu")
 WILLIAMS_4 = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))  # each variant before each other once
 SAVE_ON_CPU_LABEL = "save_on_cpu semantics emulated (synchronous copies, no prefetch)"
+# GPT shapes (``--shape``; --layers and the others override one value). "executor": this benchmark's own model
+# (~380 forward matmul FLOP per saved-activation byte). "llm-like": the most compute per saved byte a shared 2-core
+# CPU trains in about a second per iteration: ~725 in fp32, twice the executor shape's (Llama2-7B at seq 4096 in
+# bf16 does ~3,400: fp32 activations take twice the bytes, and the count grows with the hidden size, ~0.375 x
+# hidden + seq / 16 here, so the budget goes to the hidden size rather than to the sequence); two layers, so that
+# one layer's activations can travel while the other computes. Its 16 tokens leave the CPU's matmuls partly
+# memory-bound, so the emulated link moves a larger share of the activations during one forward pass than the
+# FLOP count alone says (as an accelerator below peak does). "small": the smoke test's.
+SHAPES = {
+    "executor": {"layers": 4, "hidden": 1024, "heads": 8, "seq": 32, "batch": 1, "vocab": 512},
+    "llm-like": {"layers": 2, "hidden": 2048, "heads": 16, "seq": 16, "batch": 1, "vocab": 512},
+    "small": {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "batch": 1, "vocab": 128},
+}
 
 
 # ---- model --------------------------------------------------------------------------------------
 def make_model(args: argparse.Namespace) -> GPT:
     torch.manual_seed(args.seed)
     return GPT(args.vocab, args.hidden, args.heads, args.layers)
+
+
+def model_flop(args: argparse.Namespace) -> dict:
+    """Matmul FLOP of one forward pass and of forward + backward for ``args``' shape (launch/toy_gpt.py)."""
+    forward = forward_matmul_flop(args.vocab, args.hidden, args.layers, args.seq, args.batch)
+    return {"forward_matmul_flop": forward, "iteration_matmul_flop": 3 * forward}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_shape: str) -> None:
+    """``--shape`` and the per-value overrides (--layers, --hidden, --heads, --seq, --batch, --vocab)."""
+    parser.add_argument("--shape", default=default_shape, choices=list(SHAPES),
+                        help="GPT shape; the options below override single values (default %(default)s)")
+    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="default: from --shape")
+
+
+def apply_shape(args: argparse.Namespace) -> None:
+    """Fill the shape values not given on the command line from ``SHAPES[args.shape]``."""
+    for name, value in SHAPES[args.shape].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def host_batch(args: argparse.Namespace, step: int) -> torch.Tensor:
@@ -171,6 +208,20 @@ class Variant:
             self.emulation = SaveOnCpuEmulation(device, self.model)
         self.losses: list[torch.Tensor] = []
         self.records: list[dict] = []
+        self.first_round = 0  # the round of its first step (``join_from``); records[i] is round first_round + i
+
+    def join_from(self, reference: "Variant", round_index: int) -> None:
+        """Start at round ``round_index`` from ``reference``'s parameters (it played the rounds before, on the
+        same batches): a variant that learns nothing from those rounds skips them. Its losses and final
+        parameters are then compared from that round on. Gradients are not copied: between steps the
+        reference's are zero, and this variant's first step allocates its own inside its iteration (metered),
+        like every variant's first step."""
+        assert not self.records, "join before the first step"
+        with torch.no_grad():
+            for mine, theirs in zip(self.model.parameters(), reference.model.parameters(), strict=True):
+                assert theirs.grad is None or not theirs.grad.any(), "the reference is between steps"
+                mine.copy_(theirs)
+        self.first_round = round_index
 
     def _closure(self, batch: torch.Tensor) -> Callable[[], torch.Tensor]:
         def closure() -> torch.Tensor:
@@ -212,9 +263,10 @@ class Variant:
         return record
 
 
-def measure_unswapped(args: argparse.Namespace) -> dict:
-    """Peak device bytes without swapping (enabled: false, unbounded), the forward and iteration times (after
-    the WarmUp iterations, whose detailed trace costs time) and the sizes of the saved activation storages."""
+def measure_unswapped(args: argparse.Namespace, measured_iterations: int = 2) -> dict:
+    """Peak device bytes without swapping (enabled: false, unbounded), the forward and iteration times (medians
+    over ``measured_iterations`` after the WarmUp iterations, whose detailed trace costs time) and the sizes of
+    the saved activation storages."""
     device = EmulatedDevice(UNBOUNDED_CAPACITY_BYTES)
     chameleon = Chameleon({"enabled": False}, device=device)
     model = chameleon.attach(make_model(args))
@@ -230,7 +282,7 @@ def measure_unswapped(args: argparse.Namespace) -> dict:
             saved[storage_key(storage)] = storage.nbytes()
         return tensor
 
-    for step in range(warmup + 2):
+    for step in range(warmup + measured_iterations):
         batch = host_batch(args, step)
 
         def closure() -> torch.Tensor:
@@ -254,13 +306,18 @@ def measure_unswapped(args: argparse.Namespace) -> dict:
 
 
 # ---- statistics -----------------------------------------------------------------------------------
-def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int) -> dict:
+def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int,
+              stable_figures_for: tuple[str, ...] = ("chameleon",)) -> dict:
+    """Per variant, over the ``timed`` rounds: times, ratios to "unconstrained" (the same round), stall, swapped
+    bytes, peak, stages, and bit-identity (losses from its first round on, final parameters) against
+    "unconstrained"; the variants in ``stable_figures_for`` also get the figures over their Stable rounds."""
     reference = variants["unconstrained"]
     ref_times = [reference.records[i]["iteration_s"] for i in timed]
-    ref_losses, ref_params = reference.losses, [p.detach() for p in reference.model.parameters()]
+    ref_params = [p.detach() for p in reference.model.parameters()]
     out = {}
     for name, v in variants.items():
-        rows = [v.records[i] for i in timed]
+        ref_losses = reference.losses[v.first_round:]
+        rows = [v.records[i - v.first_round] for i in timed]
         times = [r["iteration_s"] for r in rows]
         ratios = [t / u for t, u in zip(times, ref_times)]
         stall_shares = [r["stall_s"] / u for r, u in zip(rows, ref_times)]
@@ -287,7 +344,8 @@ def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int) -
             "on_demand_fetches": statistics.median(r["on_demand_fetches"] for r in rows),
             "pressure_waits": sum(r["pressure_waits"] for r in rows),
             "unmatched": max(r["unmatched"] for r in rows),
-            "transitions": [(i, rec["stage_transition"]) for i, rec in enumerate(v.records) if rec["stage_transition"]],
+            "transitions": [(v.first_round + i, rec["stage_transition"]) for i, rec in enumerate(v.records)
+                            if rec["stage_transition"]],
             "losses_equal": losses_equal,
             "losses_compared": len(ref_losses),
             "parameters_equal": params_equal,
@@ -297,7 +355,7 @@ def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int) -
             "stall_s": [r["stall_s"] for r in rows],
         }
         stable = [i for i, r in enumerate(rows) if r["stage"] == "stable"]
-        if name == "chameleon":  # the same figures over the rounds it ran in Stable only
+        if name in stable_figures_for:  # the same figures over the rounds it ran in Stable only
             out[name]["stable_rounds"] = len(stable)
             out[name]["ratio_stable"] = statistics.median(ratios[i] for i in stable) if stable else None
             out[name]["stall_share_stable"] = statistics.median(stall_shares[i] for i in stable) if stable else None
@@ -312,6 +370,23 @@ def _quartiles(values: list[float]) -> list[float]:
 
 
 # ---- run ----------------------------------------------------------------------------------------
+def chameleon_config(args: argparse.Namespace, allow_recompute: bool | None = None) -> dict:
+    """The Chameleon variant's config: the whole capacity as budget, ``args``' min_swap_bytes, prefetch depth
+    and policy trials; ``allow_recompute`` sets ``executor.allow_recompute`` (None: the default)."""
+    executor = {"prefetch_depth": args.prefetch_depth}
+    if allow_recompute is not None:
+        executor["allow_recompute"] = allow_recompute
+    return {"min_swap_bytes": args.min_swap_bytes, "memory_budget": 1.0, "executor": executor,
+            "profiler": {"policy_trials": args.policy_trials}}
+
+
+def baseline_config(args: argparse.Namespace) -> dict:
+    """The swap-everything baseline's config: no trace, hence no policy (``--baseline-profiled``: WarmUp forever)."""
+    warmup = 10**6 if getattr(args, "baseline_profiled", False) else 0
+    return {"min_swap_bytes": args.min_swap_bytes, "memory_budget": 1.0,
+            "executor": {"prefetch_depth": args.prefetch_depth}, "profiler": {"warmup_iterations": warmup}}
+
+
 def run(args: argparse.Namespace) -> dict:
     flops = measure_matmul_flop_per_s()
     calibration = calibrate(args.preset, flops)
@@ -325,14 +400,10 @@ def run(args: argparse.Namespace) -> dict:
     def device(capacity: int) -> EmulatedDevice:
         return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
 
-    common = {"min_swap_bytes": args.min_swap_bytes, "memory_budget": 1.0,
-              "executor": {"prefetch_depth": args.prefetch_depth}}
-    baseline_profiler = {"warmup_iterations": 10**6} if args.baseline_profiled else {"warmup_iterations": 0}
     variants = {
         "unconstrained": Variant("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
-        "chameleon": Variant("chameleon", args, device(capacity_bytes),
-                             {**common, "profiler": {"policy_trials": args.policy_trials}}),
-        "baseline": Variant("baseline", args, device(capacity_bytes), {**common, "profiler": baseline_profiler}),
+        "chameleon": Variant("chameleon", args, device(capacity_bytes), chameleon_config(args)),
+        "baseline": Variant("baseline", args, device(capacity_bytes), baseline_config(args)),
         "save_on_cpu": Variant("save_on_cpu", args, device(UNBOUNDED_CAPACITY_BYTES), None),
     }
     cham = variants["chameleon"].chameleon
@@ -379,6 +450,7 @@ def run(args: argparse.Namespace) -> dict:
         "all_bit_identical": all(summary[n]["bit_identical"] for n in VARIANTS),
     }
     link_bytes_per_s = calibration.h2d_bytes_per_s
+    flop = model_flop(args)
     return {
         "calibration": {"preset": args.preset, "description": calibration.preset.description,
                         "cpu_flop_per_s": flops, "h2d_bytes_per_s": calibration.h2d_bytes_per_s,
@@ -394,6 +466,7 @@ def run(args: argparse.Namespace) -> dict:
                   "link_bytes_in_forward": link_in_forward_bytes,
                   "link_bytes_in_iteration": link_bytes_per_s * unswapped["iteration_s"],
                   "saved_activation_bytes": sum(unswapped["saved_storage_bytes"]),
+                  **flop, "forward_flop_per_saved_byte": flop["forward_matmul_flop"] / sum(unswapped["saved_storage_bytes"]),
                   "eligible_bytes": sum(b for b in unswapped["saved_storage_bytes"] if b >= args.min_swap_bytes),
                   "eligible_storages": sum(b >= args.min_swap_bytes for b in unswapped["saved_storage_bytes"])},
         "chameleon_policy": None if chosen is None else {
@@ -435,7 +508,8 @@ def print_report(r: dict) -> None:
           f"{mod['link_bytes_in_iteration'] / MIB:.2f} MiB in one iteration ({mod['iteration_s'] * 1e3:.0f} ms)")
     print(f"saved activations {mod['saved_activation_bytes'] / MIB:.2f} MiB per iteration, {mod['eligible_bytes'] / MIB:.2f} "
           f"MiB in {mod['eligible_storages']} storages >= min_swap_bytes {c['min_swap_bytes'] / 1024:.0f} KiB; "
-          f"prefetch depth {c['prefetch_depth']}")
+          f"prefetch depth {c['prefetch_depth']}; {mod['forward_flop_per_saved_byte']:,.0f} forward matmul FLOP per "
+          f"saved byte")
     print(f"rounds: "
           f"{r['rounds']['warmup']} untimed (planned {r['rounds']['warmup_planned']}; more while chameleon was not in "
           f"Stable) + {r['rounds']['timed']} timed, Williams-balanced order; "
@@ -495,12 +569,7 @@ def print_report(r: dict) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--vocab", type=int, default=512)
+    add_model_arguments(parser, "executor")
     parser.add_argument("--capacity-fraction", type=float, default=None,
                         help="capacity / unswapped peak (default: peak - --hide-share x the bytes the link moves in the "
                              "measured forward time)")
@@ -521,8 +590,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="one line per round")
     parser.add_argument("--json", type=Path, help="write the results to this file")
     args = parser.parse_args(argv)
+    apply_shape(args)
     if args.small:
-        args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab = 2, 64, 4, 32, 1, 128
+        args.shape = "small"
+        for name, value in SHAPES["small"].items():
+            setattr(args, name, value)
         args.min_swap_kib, args.rounds, args.warmup_rounds, args.policy_trials = 4, 4, 1, 2
     if args.capacity_fraction is not None and not 0 < args.capacity_fraction <= 1 or args.hide_share <= 0 or args.rounds < 1 or args.hidden % args.heads:
         parser.error("need 0 < --capacity-fraction <= 1, --rounds >= 1 and --hidden divisible by --heads")

@@ -132,3 +132,15 @@ class GPT(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
+
+
+def forward_matmul_flop(vocab: int, hidden: int, layers: int, seq: int, batch: int) -> int:
+    """Matmul FLOP of one forward pass of ``GPT(vocab, hidden, heads, layers)`` (any heads; no MLP module, no
+    experts) on ``batch`` sequences of ``seq`` tokens, counted from the shape: per token and layer 2 x (3h^2 for QKV + h^2
+    for the output projection + 8h^2 for the MLP) plus the attention products (QK^T and attention x V,
+    2 x 2 x seq x h, counted in full although the causal mask lets the kernel skip about half), and the head
+    (2 x h x vocab per token). The embedding is a gather (no FLOP); norms, GELU and softmax are not matmuls.
+    Backward does twice the forward's matmul FLOP (the gradient of each product's input and of its weight)."""
+    tokens = batch * seq
+    per_layer = tokens * (2 * 12 * hidden * hidden + 4 * seq * hidden)
+    return layers * per_layer + tokens * 2 * hidden * vocab

@@ -1,0 +1,553 @@
+"""Sweep of the hidden-transfer benchmark (issue 13, item 4): launch/bench_executor.py's measurement at several
+``--hide-share`` values on several emulated links, for Chameleon swap-only (``executor.allow_recompute: false``),
+Chameleon swap + recompute (``executor.allow_recompute: true``, the default), the swap-everything baseline and
+``save_on_cpu`` semantics, each cell against its own unconstrained reference run. Everything is emulated (CPU
+compute, the host link slowed to the preset's FLOP per link byte against this CPU's matmul rate).
+
+Model: ``--shape llm-like`` by default (bench_executor.SHAPES: 2 layers, hidden 2048, seq 16, fp32), the most
+compute per saved-activation byte a shared 2-core CPU trains in about a second per iteration; it prints its forward
+matmul FLOP per saved byte (from the shape, launch/toy_gpt.py) next to Llama2-7B's, and the share of its saved
+activations the link can move during one forward pass and during one iteration.
+
+Shared across cells, where that is valid: one CPU matmul measurement (every link is calibrated from it); one
+unswapped measurement (peak, forward and iteration time, saved storages: it swaps nothing, so the link does not
+matter); per link, one save_on_cpu cell (it has no runtime and an unbounded capacity, so the hide-share does not
+change what it does; its row repeats on every share, marked "per link").
+
+One cell (link, hide-share): capacity = unswapped peak - hide-share x the bytes the link moves in the measured
+forward time, but at most ``REDUCTION_CAP`` of what swapping can take off the peak at all (the peak minus the
+swap floor: every swap candidate off the device for its whole window, copies instant, from the detailed trace of one
+swap-everything iteration). When the link moves a large share of the activations in one forward pass, as on a real
+LLM, the largest hide-shares ask for more than that (at a share of 0.5, hide-share 2 would be every activation); such
+cells are marked capped, and a capped cell whose capacity equals an earlier one's on the same link reuses its result.
+Variants unconstrained, chameleon_swap_only, chameleon_swap_recompute and baseline, each with its
+own model copy and device. The untimed rounds (at least ``--warmup-rounds`` and the Chameleon variants' WarmUp +
+GenPolicy iterations, up to twice as many while either is not in Stable) are played by the unconstrained run and
+the two Chameleon variants only; the baseline, which learns nothing from them, then starts from the unconstrained
+run's parameters (``Variant.join_from``), plays one untimed round with the others, and all four play the timed
+rounds in Williams-balanced orders. Bit-identity: losses from the round a variant started and final parameters,
+``torch.equal`` to the unconstrained run's.
+
+Per Chameleon variant the simulator's predicted ratio is its chosen policy's ``predicted_iteration_s`` over its
+``compute_s`` (``chameleon.controller.chosen`` after the last round); a fallback is a Chameleon iteration in
+Stable with no policy or the "all" policy (swap everything). ``targets`` checks issue 13's: at hide-share <= 1.0
+each Chameleon variant <= 1.05x; at every share never slower than the baseline and within 10% of its prediction;
+no fallback; plus bit-identity.
+
+    .venv/bin/python launch/bench_sweep.py --json runs/bench_sweep.json   # the full sweep (see --help for its size)
+    .venv/bin/python launch/bench_sweep.py --small                        # tiny model, 2 shares, 1 link (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from bench_executor import (  # noqa: E402
+    MIB, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, apply_shape, baseline_config, chameleon_config,
+    host_batch, measure_unswapped, model_flop, summarize,
+)
+from machine_info import run_benchmark  # noqa: E402
+
+import torch
+
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
+from chameleon_dist.policy.candidates import find_candidates
+from chameleon_dist.policy.model import Decision
+
+SHARES = (0.25, 0.5, 1.0, 2.0, 4.0)
+LINKS = ("h100-pcie", "ascend-910b")
+SWAP_ONLY, SWAP_RECOMPUTE = "chameleon_swap_only", "chameleon_swap_recompute"
+CHAMELEON_VARIANTS = (SWAP_ONLY, SWAP_RECOMPUTE)
+CELL_VARIANTS = ("unconstrained", SWAP_ONLY, SWAP_RECOMPUTE, "baseline")
+ROW_VARIANTS = (SWAP_ONLY, SWAP_RECOMPUTE, "baseline", "save_on_cpu")  # the table's rows per cell
+LABELS = {SWAP_ONLY: "chameleon swap-only", SWAP_RECOMPUTE: "chameleon swap+recompute",
+          "baseline": "baseline (swap all)", "save_on_cpu": "save_on_cpu (per link)"}
+ALL_POLICY = "all"  # the policy generator's swap-everything variant (chameleon_dist/policy/inputs.py)
+JOIN_ROUNDS = 1  # untimed rounds a late-joining variant plays before the timed ones
+UNSWAPPED_ITERATIONS = 5  # the forward time every cell's capacity follows from: a median over this many
+REDUCTION_CAP = 0.75  # a cell takes off the peak at most this share of (unswapped peak - swap floor)
+# issue 13's reference: Llama2-7B at seq 4096 in bf16, forward matmul FLOP per saved-activation byte
+LLM_REFERENCE = {"model": "Llama2-7B, seq 4096, bf16 (issue 13)", "forward_flop_per_saved_byte": 3400.0, "mfu": 0.5}
+TARGET_RATIO = 1.05
+TARGET_SHARE_LIMIT = 1.0  # the ratio target applies at hide-shares up to this
+PREDICTION_TOLERANCE = 0.10
+
+
+def sweep_variant_configs(args: argparse.Namespace) -> dict[str, dict | None]:
+    """The Chameleon config of each variant of a cell (None: save_on_cpu semantics, no runtime)."""
+    return {"unconstrained": {"enabled": False}, SWAP_ONLY: chameleon_config(args, allow_recompute=False),
+            SWAP_RECOMPUTE: chameleon_config(args, allow_recompute=True), "baseline": baseline_config(args),
+            "save_on_cpu": None}
+
+
+def balanced_orders(n: int) -> list[tuple[int, ...]]:
+    """Williams design: orders of ``n`` variants in which each one comes right before each other equally often
+    (n orders for even n, 2n for odd n). For n = 4 it is bench_executor's WILLIAMS_4."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    rows = [tuple((x + i) % n for x in first) for i in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def is_fallback(record: dict) -> bool:
+    """A Chameleon iteration that swapped everything although it was past profiling."""
+    return record["stage"] == "stable" and record["policy"] in ("", ALL_POLICY)
+
+
+class Rounds:
+    """Plays rounds over a set of variants: round r trains every player on batch r, in a balanced order."""
+
+    def __init__(self, args: argparse.Namespace, variants: dict[str, Variant]) -> None:
+        self.args, self.variants, self.played = args, variants, 0
+
+    def play(self, players: tuple[str, ...], order_index: int) -> None:
+        orders = balanced_orders(len(players))
+        batch = host_batch(self.args, self.played)
+        for i in orders[order_index % len(orders)]:
+            self.variants[players[i]].step(batch)
+        if self.args.verbose:
+            print(f"    round {self.played:3d} " + " ".join(
+                f"{n} {self.variants[n].records[-1]['iteration_s']:.3f}s/{self.variants[n].records[-1]['stage'] or '-'}"
+                for n in players), file=sys.stderr, flush=True)
+        self.played += 1
+
+
+# ---- one cell -------------------------------------------------------------------------------------
+def plan_cell(unswapped: dict, floor_bytes: int, link_in_forward_bytes: float, share: float) -> dict:
+    """A cell's capacity: the unswapped peak minus ``share`` x the link's bytes in one forward pass, at most
+    ``REDUCTION_CAP`` of (unswapped peak - swap floor)."""
+    wanted_bytes = share * link_in_forward_bytes
+    reduction_bytes = min(wanted_bytes, REDUCTION_CAP * max(0, unswapped["peak_bytes"] - floor_bytes))
+    capacity_bytes = int(unswapped["peak_bytes"] - reduction_bytes)
+    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    return {"capacity_bytes": capacity_bytes, "capacity_fraction": capacity_bytes / unswapped["peak_bytes"],
+            "reduction_needed_bytes": unswapped["peak_bytes"] - capacity_bytes,
+            "reduction_share_of_saved": (unswapped["peak_bytes"] - capacity_bytes) / saved_bytes,
+            "reduction_capped": reduction_bytes < wanted_bytes,
+            "effective_hide_share": reduction_bytes / link_in_forward_bytes,
+            "link_bytes_in_forward": link_in_forward_bytes}
+
+
+def run_cell(args: argparse.Namespace, link: str, share: float, flops: float, unswapped: dict, plan: dict) -> dict:
+    """One (link, hide-share) cell at ``plan``'s capacity: unconstrained, both Chameleon variants and the baseline."""
+    capacity_bytes = plan["capacity_bytes"]
+    configs = sweep_variant_configs(args)
+    variants = {name: Variant(name, args, EmulatedDevice(capacity_bytes if name != "unconstrained" else
+                                                         UNBOUNDED_CAPACITY_BYTES, preset=link, cpu_flop_per_s=flops),
+                              configs[name])
+                for name in CELL_VARIANTS}
+    runtimes = [variants[n].chameleon for n in CHAMELEON_VARIANTS]
+    rounds = Rounds(args, variants)
+    warm_players = ("unconstrained", *CHAMELEON_VARIANTS)
+    planned = max(args.warmup_rounds, max(rt.config.profiler.warmup_iterations + args.policy_trials for rt in runtimes))
+    while rounds.played < planned or (any(rt.stage != "stable" for rt in runtimes) and rounds.played < 2 * planned):
+        rounds.play(warm_players, rounds.played)
+    warm_rounds = rounds.played
+    stages_when_ready = {n: str(variants[n].chameleon.stage) for n in CHAMELEON_VARIANTS}
+    variants["baseline"].join_from(variants["unconstrained"], warm_rounds)
+    for k in range(JOIN_ROUNDS + args.rounds):
+        rounds.play(CELL_VARIANTS, k)
+    timed = range(warm_rounds + JOIN_ROUNDS, rounds.played)
+    summary = summarize(variants, timed, capacity_bytes, stable_figures_for=CHAMELEON_VARIANTS)
+    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    for name, v in summary.items():
+        v["moved_share"] = v["swap_out_mib"] * MIB / saved_bytes
+        v["peak_over_capacity"] = None if v["capacity_mib"] is None else v["peak_mib"] / v["capacity_mib"]
+    for name in CHAMELEON_VARIANTS:
+        summary[name].update(chameleon_figures(variants[name], summary[name], timed))
+    return {
+        "link": link, "hide_share": share, "emulated": True, **plan,
+        "rounds": {"untimed": warm_rounds, "untimed_planned": planned, "join": JOIN_ROUNDS, "timed": args.rounds,
+                   "stages_when_ready": stages_when_ready},
+        "variants": summary,
+    }
+
+
+def chameleon_figures(v: Variant, summary: dict, timed: range) -> dict:
+    """A Chameleon variant's chosen policy, the simulator's predicted ratio, trials and fallbacks."""
+    controller = v.chameleon.controller
+    chosen = controller.chosen
+    predicted = chosen.predicted_iteration_s / chosen.compute_s if chosen is not None and chosen.compute_s > 0 else None
+    timed_records = [v.records[i - v.first_round] for i in timed]
+    return {
+        "predicted_ratio": predicted,
+        "measured_over_predicted": None if predicted is None else summary["ratio"] / predicted,
+        "policy": None if chosen is None else {
+            "name": chosen.name, "version": controller.version, "feasible": chosen.feasible,
+            "predicted_peak_mib": chosen.predicted_peak_bytes / MIB, "predicted_stall_s": chosen.predicted_stall_s,
+            "predicted_recompute_s": chosen.predicted_recompute_s, "predicted_iteration_s": chosen.predicted_iteration_s,
+            "compute_s": chosen.compute_s, "swap_mib": chosen.saved_bytes(Decision.SWAP) / MIB,
+            "recompute_mib": chosen.saved_bytes(Decision.RECOMPUTE) / MIB,
+            "swapped_storages": sum(e.decision == Decision.SWAP for e in chosen.entries),
+            "recomputed_storages": sum(e.decision == Decision.RECOMPUTE for e in chosen.entries)},
+        "trials": [{"policy": t.policy.name, "iteration_s": t.iteration_s, "peak_mib": t.peak_bytes / MIB, "held": t.held}
+                   for t in controller.results],
+        "fallback_iterations_timed": sum(map(is_fallback, timed_records)),
+        "fallback_iterations": sum(map(is_fallback, v.records)),  # every round, untimed ones included
+        "rounds_log": [{"round": v.first_round + i, "stage": str(x["stage"]), "policy": x["policy"],
+                        "iteration_s": x["iteration_s"], "stall_s": x["stall_s"], "swap_out_mib": x["swap_out_bytes"] / MIB,
+                        "passive_swaps": x["passive_swaps"], "oom_retries": x["oom_retries"]}
+                       for i, x in enumerate(v.records)],
+    }
+
+
+def measure_swap_floor_bytes(args: argparse.Namespace) -> int:
+    """The lowest peak any swap could reach: every swap candidate (saved storage >= min_swap_bytes) off the device
+    from its last forward use to its first backward use, copies instant. From the detailed trace of the second
+    WarmUp iteration (gradients allocated, as in every later one) of a swap-everything run on an instant link;
+    the windows are op indices, so the link does not matter. (The policy generator computes the same floor to
+    explain an infeasible budget; it is not public.)"""
+    variant = Variant("floor", args, EmulatedDevice(UNBOUNDED_CAPACITY_BYTES), {"min_swap_bytes": args.min_swap_bytes})
+    for step in range(max(2, variant.chameleon.config.profiler.warmup_iterations)):
+        variant.step(host_batch(args, step))
+    trace = variant.chameleon.last_trace
+    leaves = [0] * (len(trace.ops) + 1)  # bytes off the device from this op on
+    for candidate in find_candidates(trace, args.min_swap_bytes):
+        leaves[candidate.last_forward_use + 1] += candidate.nbytes
+        leaves[candidate.first_backward_use] -= candidate.nbytes
+    off_bytes, floor_bytes = 0, 0
+    for i, live_bytes in enumerate(trace.no_swap_memory_curve()):
+        off_bytes += leaves[i]
+        floor_bytes = max(floor_bytes, live_bytes - off_bytes)
+    return floor_bytes
+
+
+def run_save_on_cpu_cell(args: argparse.Namespace, link: str, flops: float, unswapped: dict) -> dict:
+    """save_on_cpu semantics against an unconstrained run on ``link``: one untimed round, then the timed ones."""
+    devices = {name: EmulatedDevice(UNBOUNDED_CAPACITY_BYTES, preset=link, cpu_flop_per_s=flops)
+               for name in ("unconstrained", "save_on_cpu")}
+    configs = sweep_variant_configs(args)
+    variants = {name: Variant(name, args, device, configs[name]) for name, device in devices.items()}
+    rounds = Rounds(args, variants)
+    for k in range(JOIN_ROUNDS + args.rounds):
+        rounds.play(("unconstrained", "save_on_cpu"), k)
+    summary = summarize(variants, range(JOIN_ROUNDS, rounds.played), UNBOUNDED_CAPACITY_BYTES, stable_figures_for=())
+    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    for v in summary.values():
+        v["moved_share"] = v["swap_out_mib"] * MIB / saved_bytes
+        v["peak_over_capacity"] = None
+    return {"link": link, "emulated": True, "label": SAVE_ON_CPU_LABEL, "rounds": {"untimed": JOIN_ROUNDS, "timed": args.rounds},
+            "variants": summary}
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> dict:
+    gc.collect()
+    gc.freeze()  # the interpreter's and torch's objects: every step's gc.collect() then scans only the run's own
+    try:
+        return _run(args)
+    finally:
+        gc.unfreeze()
+
+
+def _run(args: argparse.Namespace) -> dict:
+    started_s = time.perf_counter()
+    flops = measure_matmul_flop_per_s(duration_s=1.0)
+    unswapped = measure_unswapped(args, measured_iterations=UNSWAPPED_ITERATIONS)
+    floor_bytes = measure_swap_floor_bytes(args)
+    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    flop = model_flop(args)
+    forward_flop_per_byte = flop["forward_matmul_flop"] / saved_bytes
+    model = {
+        "emulated": True, "shape": args.shape, "parameter_bytes": unswapped["parameter_bytes"], "unswapped_peak_bytes": unswapped["peak_bytes"],
+        "forward_s": unswapped["forward_s"], "iteration_s": unswapped["iteration_s"],
+        "saved_activation_bytes": saved_bytes, "saved_storages": len(unswapped["saved_storage_bytes"]),
+        "eligible_bytes": sum(b for b in unswapped["saved_storage_bytes"] if b >= args.min_swap_bytes),
+        "swap_floor_bytes": floor_bytes, "max_reduction_bytes": int(REDUCTION_CAP * max(0, unswapped["peak_bytes"] - floor_bytes)),
+        **flop, "forward_flop_per_saved_byte": forward_flop_per_byte,
+        "iteration_flop_per_saved_byte": flop["iteration_matmul_flop"] / saved_bytes,
+        "cpu_flop_per_s": flops,
+        # the model's forward matmul rate over the rate the link is scaled to (an accelerator's MFU, emulated)
+        "cpu_forward_efficiency": flop["forward_matmul_flop"] / unswapped["forward_s"] / flops,
+    }
+    links = {}
+    for link in args.links:
+        calibration = calibrate(link, flops)
+        preset = calibration.preset
+        links[link] = {
+            "description": preset.description, "emulated": True, "text": calibration.describe(),
+            "h2d_bytes_per_s": calibration.h2d_bytes_per_s, "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
+            "flop_per_link_byte": preset.d2h_flop_per_byte,
+            "link_share_in_forward": calibration.d2h_bytes_per_s * unswapped["forward_s"] / saved_bytes,
+            "link_share_in_iteration": calibration.d2h_bytes_per_s * unswapped["iteration_s"] / saved_bytes,
+            # on the accelerator itself at LLM_REFERENCE's MFU: this model, and the reference LLM
+            "model_share_in_forward_on_accelerator": forward_flop_per_byte / (preset.d2h_flop_per_byte * LLM_REFERENCE["mfu"]),
+            "reference_share_in_forward_on_accelerator":
+                LLM_REFERENCE["forward_flop_per_saved_byte"] / (preset.d2h_flop_per_byte * LLM_REFERENCE["mfu"]),
+        }
+    _progress(f"unswapped: peak {unswapped['peak_bytes'] / MIB:.1f} MiB, saved {saved_bytes / MIB:.2f} MiB, forward "
+              f"{unswapped['forward_s'] * 1e3:.0f} ms, iteration {unswapped['iteration_s'] * 1e3:.0f} ms, "
+              f"{forward_flop_per_byte:,.0f} forward FLOP per saved byte; link moves "
+              + ", ".join(f"{n} {x['link_share_in_forward']:.1%}" for n, x in links.items())
+              + f" of the saved bytes in one forward pass (emulated); swap floor {floor_bytes / MIB:.1f} MiB", started_s)
+
+    save_on_cpu, cells = {}, []
+    total = len(args.links) * (len(args.shares) + 1)
+    for link in args.links:
+        by_capacity: dict[int, dict] = {}  # this link's cells by capacity (capped shares can meet)
+        for share in [None, *args.shares]:
+            index = len(cells) + len(save_on_cpu) + 1
+            what = f"{link} save_on_cpu" if share is None else f"{link} hide-share {share:g}"
+            plan = None if share is None else plan_cell(unswapped, floor_bytes, links[link]["d2h_bytes_per_s"]
+                                                        * unswapped["forward_s"], share)
+            same = None if plan is None else by_capacity.get(plan["capacity_bytes"])
+            if same is not None:  # the same experiment as an earlier cell: its result stands for this one too
+                cells.append({**same, "hide_share": share, **plan, "same_as_hide_share": same["hide_share"], "wall_s": 0.0})
+                _progress(f"cell {index}/{total} {what}: capped to the capacity of hide-share {same['hide_share']:g}, "
+                          "its result reused", started_s)
+                continue
+            _progress(f"cell {index}/{total} {what}: start"
+                      + ("" if plan is None else f", capacity {plan['capacity_bytes'] / MIB:.2f} MiB "
+                         f"({plan['reduction_needed_bytes'] / MIB:.2f} MiB off the peak"
+                         + (", capped)" if plan["reduction_capped"] else ")")), started_s)
+            cell_started_s = time.perf_counter()
+            try:
+                result = (run_save_on_cpu_cell(args, link, flops, unswapped) if share is None
+                          else run_cell(args, link, share, flops, unswapped, plan))
+            except Exception as error:  # a cell that fails is recorded and the sweep goes on
+                result = {"link": link, "hide_share": share, "emulated": True, **(plan or {}),
+                          "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+            result["wall_s"] = time.perf_counter() - cell_started_s
+            if plan is not None:
+                by_capacity[plan["capacity_bytes"]] = result
+            gc.collect()  # the cell's models and runtimes (cycles through hooks) before the next cell's
+            if share is None:
+                save_on_cpu[link] = result
+            else:
+                cells.append(result)
+            _progress(f"cell {index}/{total} {what}: {_cell_outcome(result)} ({result['wall_s']:.0f} s)", started_s)
+    return {"model": model, "reference_llm": LLM_REFERENCE, "links": links, "save_on_cpu": save_on_cpu, "cells": cells,
+            "rows": table_rows(cells, save_on_cpu), "targets": evaluate_targets(cells, save_on_cpu)}
+
+
+def _progress(message: str, started_s: float) -> None:
+    print(f"[bench_sweep {time.perf_counter() - started_s:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _cell_outcome(cell: dict) -> str:
+    if "error" in cell:
+        return f"FAILED {cell['error']}"
+    return ", ".join(f"{n} {v['ratio']:.3f}x" for n, v in cell["variants"].items() if n != "unconstrained")
+
+
+# ---- rows and targets -------------------------------------------------------------------------------
+def table_rows(cells: list[dict], save_on_cpu: dict[str, dict]) -> list[dict]:
+    """One row per link x hide-share x variant (save_on_cpu: its link's cell, the same on every share)."""
+    rows = []
+    for cell in cells:
+        for name in ROW_VARIANTS:
+            row = {"link": cell["link"], "hide_share": cell["hide_share"], "variant": name, "emulated": True}
+            source = save_on_cpu.get(cell["link"], {}) if name == "save_on_cpu" else cell
+            v = source.get("variants", {}).get(name)
+            if v is None:
+                row["error"] = source.get("error", cell.get("error", "not run"))
+            else:
+                row.update({k: v.get(k) for k in (
+                    "ratio", "ratio_iqr", "median_iteration_s", "stall_share", "peak_mib", "capacity_mib",
+                    "peak_over_capacity", "swap_out_mib", "moved_share", "bit_identical", "losses_equal",
+                    "losses_compared", "passive_swaps", "oom_retries", "predicted_ratio", "measured_over_predicted",
+                    "fallback_iterations", "fallback_iterations_timed")})
+                row["recompute_planned_mib"] = (v.get("policy") or {}).get("recompute_mib")
+                row["measured_once_per_link"] = name == "save_on_cpu"
+            rows.append(row)
+    return rows
+
+
+def evaluate_targets(cells: list[dict], save_on_cpu: dict[str, dict]) -> dict:
+    """Issue 13's targets (emulated) over every cell and Chameleon variant; each lists the cells that miss."""
+    misses: dict[str, list[dict]] = {k: [] for k in ("ratio_at_most_1.05_up_to_share_1", "never_slower_than_baseline",
+                                                     "within_10pct_of_prediction", "no_fallback_to_swap_everything",
+                                                     "all_bit_identical")}
+    for cell in cells:
+        where = {"link": cell["link"], "hide_share": cell["hide_share"]}
+        if "error" in cell:
+            for key in misses:
+                misses[key].append({**where, "error": cell["error"]})
+            continue
+        variants = cell["variants"]
+        for name, v in variants.items():
+            if not v["bit_identical"]:
+                misses["all_bit_identical"].append({**where, "variant": name})
+        for name in CHAMELEON_VARIANTS:
+            v, at = variants[name], {**where, "variant": name}
+            if cell["hide_share"] <= TARGET_SHARE_LIMIT and v["ratio"] > TARGET_RATIO:
+                misses["ratio_at_most_1.05_up_to_share_1"].append({**at, "ratio": v["ratio"]})
+            if v["ratio"] > variants["baseline"]["ratio"]:
+                misses["never_slower_than_baseline"].append({**at, "ratio": v["ratio"],
+                                                             "baseline_ratio": variants["baseline"]["ratio"]})
+            off = v["measured_over_predicted"]
+            if off is None or abs(off - 1) > PREDICTION_TOLERANCE:
+                misses["within_10pct_of_prediction"].append({**at, "ratio": v["ratio"], "predicted_ratio": v["predicted_ratio"]})
+            if v["fallback_iterations"]:
+                misses["no_fallback_to_swap_everything"].append({**at, "fallback_iterations": v["fallback_iterations"]})
+    for link, cell in save_on_cpu.items():
+        if "error" in cell or not cell["variants"]["save_on_cpu"]["bit_identical"]:
+            misses["all_bit_identical"].append({"link": link, "variant": "save_on_cpu", "error": cell.get("error", "")})
+    described = {
+        "ratio_at_most_1.05_up_to_share_1": f"each Chameleon variant <= {TARGET_RATIO}x unconstrained at hide-share <= "
+                                            f"{TARGET_SHARE_LIMIT:g}",
+        "never_slower_than_baseline": "each Chameleon variant's ratio <= the swap-everything baseline's, every share",
+        "within_10pct_of_prediction": f"|measured ratio / predicted ratio - 1| <= {PREDICTION_TOLERANCE:.0%}, every share",
+        "no_fallback_to_swap_everything": "no Chameleon iteration in Stable without a policy or with the \"all\" policy",
+        "all_bit_identical": "losses and final parameters torch.equal to the unconstrained run's, every variant",
+    }
+    return {"emulated": True, "cells": len(cells),
+            **{k: {"description": described[k], "met": not misses[k], "misses": misses[k]} for k in misses}}
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def _col(value, spec: str, width: int) -> str:
+    """``value`` formatted with ``spec`` (None: "-"), right-aligned in ``width`` characters."""
+    return _fmt(value, spec).rjust(width)
+
+
+def print_report(r: dict) -> None:
+    m, mod, c = r["machine"], r["model"], r["config"]
+    print(f"command: {r['command']}")
+    print(f"date: {r['date']}; {m['cpu']} ({m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}; "
+          f"load average {m['load_average_before']:.2f} before, {m['load_average_after']:.2f} after "
+          f"(other jobs share this machine)")
+    print(f"ALL FIGURES EMULATED (CPU compute, host link slowed to each preset's FLOP per link byte against this CPU's "
+          f"matmul rate, {mod['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s)")
+    print(f"model: GPT shape {mod['shape']}: {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, seq {c['seq']}, "
+          f"batch {c['batch']}, vocab {c['vocab']}, fp32, SGD ({mod['parameter_bytes'] / MIB:.1f} MiB parameters); "
+          f"unswapped peak {mod['unswapped_peak_bytes'] / MIB:.2f} MiB; saved activations "
+          f"{mod['saved_activation_bytes'] / MIB:.2f} MiB in {mod['saved_storages']} storages "
+          f"({mod['eligible_bytes'] / MIB:.2f} MiB >= min_swap_bytes {c['min_swap_bytes'] / 1024:.0f} KiB); swap floor "
+          f"{mod['swap_floor_bytes'] / MIB:.2f} MiB (at most {mod['max_reduction_bytes'] / MIB:.2f} MiB taken off); forward "
+          f"{mod['forward_s'] * 1e3:.0f} ms, iteration {mod['iteration_s'] * 1e3:.0f} ms")
+    ref = r["reference_llm"]
+    print(f"compute per saved-activation byte (matmul FLOP from the shape): forward {mod['forward_flop_per_saved_byte']:,.0f}, "
+          f"forward + backward {mod['iteration_flop_per_saved_byte']:,.0f} (reference: {ref['model']} "
+          f"~{ref['forward_flop_per_saved_byte']:,.0f} forward); the CPU runs the forward matmuls at "
+          f"{mod['cpu_forward_efficiency']:.0%} of the rate the link is scaled to")
+    for name, link in r["links"].items():
+        print(f"link {name} ({link['description']}): {link['d2h_bytes_per_s'] / 1e6:.2f} MB/s each way (emulated), "
+              f"{link['flop_per_link_byte']:,.0f} FLOP per link byte; it moves {link['link_share_in_forward']:.1%} of the "
+              f"saved activation bytes during one forward pass, {link['link_share_in_iteration']:.1%} during one iteration "
+              f"(on the accelerator at {ref['mfu']:.0%} MFU: this model {link['model_share_in_forward_on_accelerator']:.1%}, "
+              f"the reference {link['reference_share_in_forward_on_accelerator']:.1%} in one forward pass)")
+    print(f"rounds per cell: Chameleon WarmUp + GenPolicy untimed (baseline skips them and starts from the unconstrained "
+          f"run's parameters), {JOIN_ROUNDS} untimed with all, {c['rounds']} timed, Williams-balanced; ratio = median over "
+          f"timed rounds of variant / unconstrained (same round); predicted = chosen policy's predicted_iteration_s / "
+          f"compute_s; moved = swap-out bytes / saved activation bytes per iteration")
+    print()
+    print(f"{'link':<12}{'share':>6}  {'variant':<25}{'ratio':>7}{'pred.':>7}{'m/p':>6}{'stall %':>8}{'peak/cap':>9}"
+          f"{'moved %':>8}{'recomp MiB':>11}{'fallback':>9}{'bit-identical':>15}   (emulated)")
+    capped = {(c["link"], c["hide_share"]) for c in r["cells"] if c.get("reduction_capped")}
+    for row in r["rows"]:
+        mark = "*" if (row["link"], row["hide_share"]) in capped else ""
+        head = f"{row['link']:<12}{format(row['hide_share'], 'g') + mark:>6}  {LABELS[row['variant']]:<25}"
+        if "error" in row:
+            print(f"{head}FAILED: {row['error']}")
+            continue
+        same = f"{'yes' if row['bit_identical'] else 'NO'} {row['losses_equal']}/{row['losses_compared']}"
+        fallback = "-" if row["fallback_iterations"] is None else str(row["fallback_iterations"])
+        print(f"{head}{row['ratio']:>7.3f}{_col(row['predicted_ratio'], '.3f', 7)}"
+              f"{_col(row['measured_over_predicted'], '.2f', 6)}{row['stall_share']:>8.1%}"
+              f"{_col(row['peak_over_capacity'], '.3f', 9)}{row['moved_share']:>8.1%}"
+              f"{_col(row['recompute_planned_mib'], '.2f', 11)}{fallback:>9}{same:>15}")
+    print(f"  save_on_cpu = {SAVE_ON_CPU_LABEL}; capacity unbounded, so it runs once per link (its own unconstrained "
+          f"reference) and repeats on every share")
+    for cell in r["cells"]:
+        if cell.get("reduction_capped"):
+            print(f"  * {cell['link']} {cell['hide_share']:g}: capped at {REDUCTION_CAP:.0%} of what swapping can take off "
+                  f"the peak (swap floor {mod['swap_floor_bytes'] / MIB:.2f} MiB): hide-share "
+                  f"{cell['effective_hide_share']:.2f} in effect"
+                  + (f", the same capacity as hide-share {cell['same_as_hide_share']:g}, whose result it shows"
+                     if "same_as_hide_share" in cell else ""))
+    print("  recomp MiB = what the chosen policy recomputes per iteration (executor.allow_recompute: false forbids it; "
+          "0 also while the runtime asks the generator for swap-only policies)")
+    for cell in r["cells"]:
+        if "error" in cell or "same_as_hide_share" in cell:
+            continue
+        for name in CHAMELEON_VARIANTS:
+            v = cell["variants"][name]
+            pol = v["policy"]
+            trials = "; ".join(f"{t['policy']} {t['iteration_s'] * 1e3:.0f} ms {'held' if t['held'] else 'failed'}"
+                               for t in v["trials"])
+            print(f"  {cell['link']} {cell['hide_share']:g} {LABELS[name]}: "
+                  + (f"policy {pol['name']} v{pol['version']} (feasible {pol['feasible']}, swap {pol['swap_mib']:.2f} MiB, "
+                     f"recompute {pol['recompute_mib']:.2f} MiB, predicted stall {pol['predicted_stall_s'] * 1e3:.1f} ms)"
+                     if pol else "NO policy") + f"; stages {v['stages']}; trials: {trials or '-'}")
+    t = r["targets"]
+    print("issue 13 targets (emulated):")
+    for key, target in t.items():
+        if not isinstance(target, dict):
+            continue
+        misses = target["misses"]
+        print(f"  {'met' if target['met'] else 'NOT met'}: {target['description']}"
+              + ("" if target["met"] else f"; misses in {len(misses)}: " + "; ".join(_miss(x) for x in misses[:6])
+                 + (" ..." if len(misses) > 6 else "")))
+    print(f"wall time {r['wall_s']:.0f} s (cells: " + ", ".join(
+        f"{c['link']} {c['hide_share']:g} {c['wall_s']:.0f} s" for c in r["cells"]) + "; save_on_cpu: " + ", ".join(
+        f"{n} {c['wall_s']:.0f} s" for n, c in r["save_on_cpu"].items()) + ")")
+
+
+def _miss(miss: dict) -> str:
+    extra = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in miss.items()
+                      if k not in ("link", "hide_share", "variant"))
+    where = f"{miss['link']} {_fmt(miss.get('hide_share'), 'g', '')} {miss.get('variant', '')}".strip()
+    return f"{where} ({extra})" if extra else where
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser, "llm-like")
+    parser.add_argument("--links", nargs="+", default=list(LINKS), choices=[p.name for p in PRESETS],
+                        help="emulated host links (accelerator presets)")
+    parser.add_argument("--shares", nargs="+", type=float, default=list(SHARES),
+                        help="hide-shares: capacity = unswapped peak - share x the bytes the link moves in one forward pass")
+    parser.add_argument("--min-swap-kib", type=float, default=128, help="min_swap_bytes in KiB")
+    parser.add_argument("--prefetch-depth", type=int, default=2)
+    parser.add_argument("--policy-trials", type=int, default=5)
+    parser.add_argument("--warmup-rounds", type=int, default=3, help="untimed rounds at least")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per cell (a multiple of 4 balances the order)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: on a shared 2-core machine two threads stall each other)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--small", action="store_true", help="tiny model, 2 shares, 1 link, few rounds (smoke test)")
+    parser.add_argument("--verbose", action="store_true", help="one line per round (stderr)")
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    args = parser.parse_args(argv)
+    if args.small:
+        args.shape = "small"
+        for name in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
+            setattr(args, name, None)
+        args.links, args.shares = ["h100-pcie"], [0.5, 2.0]
+        args.min_swap_kib, args.rounds, args.warmup_rounds, args.policy_trials = 4, 2, 1, 2
+    apply_shape(args)
+    if args.rounds < 1 or args.hidden % args.heads or any(s <= 0 for s in args.shares):
+        parser.error("need --rounds >= 1, --hidden divisible by --heads and every --shares value > 0")
+    args.min_swap_bytes = int(args.min_swap_kib * 1024)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_benchmark("bench_sweep.py", argv, parse_args(argv), torch, run, print_report)
+
+
+if __name__ == "__main__":
+    main()
