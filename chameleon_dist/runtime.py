@@ -141,6 +141,7 @@ class Chameleon:
         self.executor = SwapExecutor(
             self.device, self.config.min_swap_bytes, prefetch_depth=self.config.executor.prefetch_depth
         )
+        self.executor.prefetch_limit_bytes = self.memory_budget_bytes
         profiler = self.config.profiler
         self.profiler = OnlineProfiler(
             profiler.warmup_iterations,

@@ -63,3 +63,24 @@ def lm_batch(step: int, batch: int = 4, seq: int = 16, vocab: int = 64) -> tuple
 def lm_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def train_next_token(chameleon, model: nn.Module, steps: int, vocab: int, batch: int, seq: int, after_step=None):
+    """``steps`` SGD steps of next-token prediction on seeded random tokens through ``chameleon`` (which
+    has ``model`` attached); ``after_step(chameleon)`` after each. Returns the losses and final parameters."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
+
+        def closure():
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            return loss.detach()
+
+        losses.append(chameleon.run_iteration(closure, optimizer=optimizer))
+        optimizer.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(chameleon)
+    return losses, [p.detach().clone() for p in model.parameters()]

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import torch
-from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.executor import IterationContext, SwapExecutor
 from chameleon_dist.executor.context import SwapCounters
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
-from tests.models import make_lm
+from tests.models import make_lm, train_next_token
 
 MODEL = dict(vocab=64, hidden=64, heads=4, layers=4, dropout=0.0)
 BATCH, SEQ = 2, 64
@@ -35,29 +34,10 @@ class _PlannedSlowDevice(EmulatedDevice):
         return self._planned_bytes_per_s
 
 
-def _tokens(step: int) -> torch.Tensor:
-    return torch.randint(0, MODEL["vocab"], (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-
-
 def _train(chameleon: Chameleon, steps: int, after_step=None):
     torch.manual_seed(0)
     model = chameleon.attach(make_lm(0, **MODEL))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        tokens = _tokens(step)
-
-        def closure():
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            return loss.detach()
-
-        losses.append(chameleon.run_iteration(closure, optimizer=optimizer))
-        optimizer.zero_grad(set_to_none=True)
-        if after_step is not None:
-            after_step(chameleon)
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return train_next_token(chameleon, model, steps, MODEL["vocab"], BATCH, SEQ, after_step)
 
 
 STEPS = 8

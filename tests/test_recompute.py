@@ -7,82 +7,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.policy.generator import generate_policies
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Decision, Infeasibility
+from launch.swiglu_lm import SwiGLULM
+from tests.models import train_next_token
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 64, 64, 3, 2, 64
 STEPS = 8
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-class Block(nn.Module):
-    """RMSNorm + SwiGLU, then LayerNorm + GELU MLP, each with a residual: elementwise ops and norms whose
-    outputs are cheap to rebuild and costly to copy."""
-
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(hidden)
-        self.gate = nn.Linear(hidden, 2 * hidden, bias=False)
-        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
-        self.down = nn.Linear(2 * hidden, hidden, bias=False)
-        self.norm2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(Block(HIDDEN) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+def Model() -> SwiGLULM:
+    return SwiGLULM(VOCAB, HIDDEN, LAYERS)
 
 
 def _train(chameleon: Chameleon, steps: int = STEPS, after_step=None):
     torch.manual_seed(0)
     model = chameleon.attach(Model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
-
-        def closure():
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-            loss.backward()
-            return loss.detach()
-
-        losses.append(chameleon.run_iteration(closure, optimizer=optimizer))
-        optimizer.zero_grad(set_to_none=True)
-        if after_step is not None:
-            after_step(chameleon)
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return train_next_token(chameleon, model, steps, VOCAB, BATCH, SEQ, after_step)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +106,7 @@ def test_input_changed_in_place_after_the_save_raises():
     executor = SwapExecutor(device, min_swap_bytes=0)
     x = torch.randn(64, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
-    log = ProducerLog()
+    log = ProducerLog(executor._holders.holder_of)
     with device.active():
         h = x * 2  # not a leaf: its storage is an activation
         device.track(h)

@@ -82,6 +82,7 @@ class SwapCounters:
     matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
     delayed_swap_outs: int = 0  # swap-outs a policy placed after the save (issued at their op)
     late_swap_outs: int = 0  # ... whose op never came: issued when backward began (NOTE [Placed swaps])
+    prefetches_deferred: int = 0  # planned swap-ins that waited an op: they would have gone over the budget
     recomputed_bytes: int = 0  # storages rebuilt from their producer's inputs (NOTE [Per-tensor recompute])
     recomputed_storages: int = 0
     recompute_unavailable: int = 0  # planned recomputes whose producer was not found exactly: kept instead

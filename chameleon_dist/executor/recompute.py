@@ -41,19 +41,32 @@ usually within a few ops (views and a weight transpose come between)."""
 
 
 class _Weak:
-    """A tensor argument held weakly in the producer log."""
+    """A tensor argument held weakly in the producer log, with where its bytes are: a temporary view (a
+    weight's transpose, a reshape) dies right after the op while its storage lives on, held by a saved
+    tensor or a parameter, so the recipe can re-view that storage."""
 
-    __slots__ = ("ref",)
+    __slots__ = ("ref", "key", "dtype", "size", "stride", "offset", "holder")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, holder: Any) -> None:
         self.ref = weakref.ref(tensor)
+        self.key = storage_key(tensor.untyped_storage())
+        self.dtype, self.size, self.stride, self.offset = tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+        self.holder = holder  # what else holds this storage, found while it is alive (a saved tensor, a parameter)
+
+    def view_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This argument as a view of ``tensor``'s storage."""
+        if (tensor.dtype == self.dtype and tensor.size() == self.size and tensor.stride() == self.stride
+                and tensor.storage_offset() == self.offset):
+            return tensor
+        view = torch.empty(0, dtype=self.dtype, device=tensor.device)
+        return view.set_(tensor.untyped_storage(), self.offset, self.size, self.stride)
 
 
-def _weak(value: Any) -> Any:
+def _weak(value: Any, holder_of: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(value, torch.Tensor):
-        return _Weak(value)
+        return _Weak(value, holder_of(value))
     if type(value) is list or type(value) is tuple:  # (aten schemas nest at most one list deep)
-        return type(value)(_Weak(v) if isinstance(v, torch.Tensor) else v for v in value)
+        return type(value)(_Weak(v, holder_of(v)) if isinstance(v, torch.Tensor) else v for v in value)
     return value
 
 
@@ -97,37 +110,42 @@ def _materialize(value: Any, unpack: Callable[[Any], torch.Tensor]) -> Any:
     if type(value) is list or type(value) is tuple:
         return type(value)(_materialize(v, unpack) for v in value)
     if isinstance(value, _Packed):
-        return unpack(value.packed)
+        return value.weak.view_of(unpack(value.packed))
     return value
 
 
 class _Packed:
-    """A tensor input of a recipe, packed like a saved tensor."""
+    """A tensor input of a recipe: packed like a saved tensor, and how to view it again."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("packed", "weak")
 
-    def __init__(self, packed: Any) -> None:
+    def __init__(self, packed: Any, weak: _Weak) -> None:
         self.packed = packed
+        self.weak = weak
 
 
 class ProducerLog:
     """The last ``RING_OPS`` forward ops, every tensor held weakly (see the module docstring)."""
 
-    def __init__(self, size: int = RING_OPS) -> None:
+    def __init__(self, holder_of: Callable[[torch.Tensor], Any], size: int = RING_OPS) -> None:
         self._ops: collections.deque = collections.deque(maxlen=size)
+        self._holder_of = holder_of  # a live tensor's storage -> what else holds it (None: nothing known)
 
     def clear(self) -> None:
         self._ops.clear()
 
     def note(self, func, args, kwargs, out) -> None:
         outputs = out if type(out) is tuple or type(out) is list else (out,)
-        self._ops.append((func, _weak(tuple(args)), {k: _weak(v) for k, v in (kwargs or {}).items()},
+        holder_of = self._holder_of
+        self._ops.append((func, _weak(tuple(args), holder_of), {k: _weak(v, holder_of) for k, v in (kwargs or {}).items()},
                           tuple(weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in outputs),
                           type(out) is tuple or type(out) is list))
 
     def recipe_for(self, storage: torch.UntypedStorage, pack: Callable[[torch.Tensor], Any]) -> Recipe | None:
-        """A recipe for ``storage`` from the op that created it, its tensor inputs packed with ``pack``;
-        None when that op is not in the log, is not exactly recomputable, or an input is gone."""
+        """A recipe for ``storage`` from the op that created it, each tensor input packed with ``pack`` or,
+        when the argument object died (a temporary view), taken from what held its storage when the op ran
+        (a saved tensor's packed form, a parameter); None when that op is not in the log, is not exactly
+        recomputable, or an input can be found neither way."""
         key = storage_key(storage)
         for func, args, kwargs, outputs, several in reversed(self._ops):
             index = next((i for i, ref in enumerate(outputs)
@@ -135,17 +153,22 @@ class ProducerLog:
             if index is None:
                 continue
             output = outputs[index]()
-            inputs = [w.ref() for v in (*args, *kwargs.values()) for w in _weak_items(v)]
-            if any(t is None for t in inputs):
-                return None  # an input is gone: cannot rebuild
-            if any(storage_key(t.untyped_storage()) == key for t in inputs):
+            weak_inputs = [w for v in (*args, *kwargs.values()) for w in _weak_items(v)]
+            if any(w.key == key for w in weak_inputs):
                 continue  # a view of, or a write to, one of its inputs: the creator came earlier
             if not exactly_recomputable(str(func), getattr(func, "_schema", None)):
                 return None
+            packed_inputs = {}
+            for w in weak_inputs:
+                tensor = w.ref()
+                packed = pack(tensor) if tensor is not None else w.holder
+                if packed is None:
+                    return None  # an input is gone: cannot rebuild
+                packed_inputs[id(w)] = _Packed(packed, w)
 
             def packed(value: Any) -> Any:
                 if isinstance(value, _Weak):
-                    return _Packed(pack(value.ref()))
+                    return packed_inputs[id(value)]
                 if type(value) is list or type(value) is tuple:
                     return type(value)(packed(v) for v in value)
                 return value
@@ -161,3 +184,36 @@ def _weak_items(value: Any) -> list[_Weak]:
     if type(value) is list or type(value) is tuple:
         return [v for v in value if isinstance(v, _Weak)]
     return []
+
+
+class StorageHolders:
+    """What holds each storage besides the tensors the program has: the latest packed save of it (a kept
+    alias or a swapped record) and the protected parameters and buffers. A recipe input whose own tensor
+    object died (a temporary view) is found here while the op runs. Keyed by storage address and checked
+    against the storage itself: addresses of dead storages get reused."""
+
+    def __init__(self) -> None:
+        self._saves: dict[int, tuple[weakref.ReferenceType, weakref.ReferenceType]] = {}
+        self._parameters: dict[int, weakref.ReferenceType] = {}
+
+    def clear(self) -> None:
+        """A new attempt: the saves of the last one are gone (the parameters stay)."""
+        self._saves.clear()
+
+    def set_parameters(self, tensors) -> set[int]:
+        """The protected parameters and buffers now; returns their storage keys."""
+        self._parameters = {storage_key(t.untyped_storage()): weakref.ref(t) for t in tensors}
+        return set(self._parameters)
+
+    def note(self, storage: torch.UntypedStorage, packed: Any) -> None:
+        self._saves[storage_key(storage)] = (weakref.ref(storage), weakref.ref(packed))
+
+    def holder_of(self, tensor: torch.Tensor) -> Any:
+        """The packed save or the parameter that holds ``tensor``'s storage, or None."""
+        storage = tensor.untyped_storage()
+        key = storage_key(storage)
+        known = self._saves.get(key)
+        if known is not None and known[0]() is storage:
+            return known[1]()
+        ref = self._parameters.get(key)
+        return ref() if ref is not None else None

@@ -22,10 +22,10 @@ class SwapEntry:
     """One storage swapped out (or, until its planned swap-out op, about to be). Host buffer and restored
     device bytes live as long as the entry.
 
-    A policy places each swap-out at an op and each release at a later op (``policy/simulator.py``); until
-    its release point the entry *holds* the device original (``held``), so that the bytes stay where the
-    simulator counted them, and the copy is issued at its own op (``issue``). Without a policy both happen
-    at the save."""
+    A policy places each swap-out at an op (``policy/simulator.py``): until then the entry *holds* the
+    device original (``held``), where the simulator counts it too, and the copy is issued at that op
+    (``issue``); from then on the device holds it until the copy completed (NOTE [Placed swaps] in
+    schedule.py). Without a policy the copy is issued at the save."""
 
     __slots__ = (
         "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device",
@@ -73,8 +73,8 @@ class SwapEntry:
         return True
 
     def release(self) -> None:
-        """The planned release point: let go of the device original (the device itself holds it until the
-        copy completed). An entry whose copy the host budget refused keeps it: it is the only copy."""
+        """Let go of the device original once its copy is issued (the device holds it until the copy
+        completed). An entry whose copy the host budget refused keeps it: it is the only copy."""
         if self.issued and not self.refused:
             self.held = None
 

@@ -21,14 +21,19 @@ if TYPE_CHECKING:
 # ``due_op``, the earliest scheduled point (an op with nothing due costs one comparison). Each point is
 # shifted by how far the sequence had moved when the storage was saved (its op count minus the traced
 # ``save_op_index``), so an inserted op or an earlier micro-batch moves its points alike. Until its
-# release point the entry holds the device original (``SwapEntry.held``): the bytes stay where the
-# simulator counted them, and the release never comes before the copy completed (the device holds the
-# source until then: NOTE [Release after copy] in device/base.py). A swap-out placed in the forward pass
-# whose op never came there (the sequence moved) is issued when backward begins, the latest point before
-# backward needs the link, and counted (``late_swap_outs``); memory pressure issues the pending ones and
-# releases the held ones at once. Without an op clock (the executor used without the runtime) every point
-# is the save, as without a policy. ``counters.placed`` lists each point as it was carried out: tests
-# compare it with the policy's.
+# swap-out is issued the entry holds the device original (``SwapEntry.held``), where the simulator counts
+# it too. From the issue on, the device holds the original until its copy completed (NOTE [Release after
+# copy] in device/base.py); the release point is where the executor asks the device to let go of every
+# source whose copy completed (``release_completed_sources``: on CUDA a query of the copies' events, no
+# wait). The emulated device lets go the moment a copy completes, and so may CUDA at any earlier query:
+# memory is never held longer than the simulator assumed, only sometimes less. (Holding every original
+# until its planned op, where copies completed earlier than predicted, kept bytes the old executor had
+# freed: more passive swaps when sequences grew.) A swap-out placed in the forward pass whose op never
+# came there (the sequence moved) is issued when backward begins, the latest point before backward needs
+# the link, and counted (``late_swap_outs``); memory pressure issues the pending ones at once. Without an
+# op clock (the executor used without the runtime) every point is the save, as without a policy.
+# ``counters.placed`` lists each point as it was carried out (a release point where the copy had
+# completed): tests compare it with the policy's.
 
 NEVER = 1 << 62
 """``due_op`` when nothing is scheduled on the op clock."""
@@ -80,10 +85,4 @@ class PlacedSchedule:
                 waiting.append(item)
         heapq.heapify(waiting)
         self.swap_outs = waiting
-        return taken
-
-    def take_releases(self) -> list["SwapEntry"]:
-        """Every entry still waiting for its release point (memory pressure releases them at once)."""
-        taken = [entry for _, _, ref in self.releases if (entry := ref()) is not None]
-        self.releases.clear()
         return taken

@@ -31,7 +31,7 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
-from chameleon_dist.executor.recompute import ProducerLog
+from chameleon_dist.executor.recompute import ProducerLog, StorageHolders
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
 from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
@@ -90,6 +90,8 @@ class SwapExecutor:
         self.device = device
         self.min_swap_bytes = min_swap_bytes
         self.prefetch_depth = prefetch_depth
+        # planned swap-ins wait while they would take the device above this (the runtime: the memory budget)
+        self.prefetch_limit_bytes: int | None = None
         self.counters = SwapCounters()
         self._protected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._protected_keys: set[int] = set()
@@ -107,7 +109,8 @@ class SwapExecutor:
         self._unpacked = False  # backward unpacked a saved tensor since the last forward save
         self._placed = PlacedSchedule()  # the points on the op clock (NOTE [Placed swaps] in schedule.py)
         self.due_op = NEVER  # the op count at which the next of them is due (read by the dispatch mode)
-        self._producers = ProducerLog()  # recent forward ops, for per-tensor recomputation
+        self._holders = StorageHolders()  # what holds each storage, for recipe inputs
+        self._producers = ProducerLog(self._holders.holder_of)  # recent forward ops, for per-tensor recomputation
         self.captures_producers = False  # the dispatch mode calls ``on_produced`` (the policy recomputes)
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
         # every tensor this attempt packed (kept or swapped): let go when the attempt is retried
@@ -124,11 +127,9 @@ class SwapExecutor:
         return self._protected_keys
 
     def _refresh_protected(self) -> None:
-        keys = set()
-        for module in self._protected:
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                keys.add(storage_key(tensor.untyped_storage()))
-        self._protected_keys = keys
+        self._protected_keys = self._holders.set_parameters(
+            t for module in self._protected for t in [*module.parameters(), *module.buffers()]
+        )
 
     @property
     def policy(self) -> Policy | None:
@@ -239,6 +240,7 @@ class SwapExecutor:
         self._unpacked = False
         self._placed.clear()
         self._producers.clear()
+        self._holders.clear()
         self.due_op = NEVER
         self._kept.clear()
         self._packed.clear()
@@ -292,9 +294,13 @@ class SwapExecutor:
         if entry is not None:
             swapped = SwappedTensor(entry, tensor)
             self._packed.append(weakref.ref(swapped))
+            if self.captures_producers:  # (a recipe input whose own object died finds its storage here)
+                self._holders.note(storage, swapped)
             return swapped
         kept = KeptTensor(tensor)
         self._packed.append(weakref.ref(kept))
+        if self.captures_producers:
+            self._holders.note(storage, kept)
         if self._matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and self._eligible(tensor):
             self._kept.append(weakref.ref(kept))  # a passive swap may take it later
         return kept
@@ -343,9 +349,9 @@ class SwapExecutor:
             trigger = planned.swap_in_at + (op_count - planned.save_op_index if op_count >= 0 else 0)
             self._schedule(self._placed.swap_ins, trigger, entry)
             entry.planned = True
-        if entry.issued and release_at <= op_count:
-            entry.release()
-        elif release_at > op_count:
+        if entry.issued:
+            entry.release()  # (the device holds the original until its copy completed)
+        if release_at > op_count:
             self._schedule(self._placed.releases, release_at, entry)
         if not entry.issued:
             self._schedule(self._placed.swap_outs, issue_at, entry)
@@ -432,16 +438,13 @@ class SwapExecutor:
         placed = self._placed
         with self._context.hide_own_ops():
             for entry in placed.due(placed.swap_outs, op_count):
-                if not entry.issued and not entry.restored:
-                    self._issue(entry)
-            released = False
-            for entry in placed.due(placed.releases, op_count):
-                if entry.issued and entry.held is not None:
+                if not entry.issued and not entry.restored and self._issue(entry):
                     entry.release()
-                    released = True
-                    self.counters.placed.append((op_count, "release", entry.ordinal))
-            if released:
+            due = [entry for entry in placed.due(placed.releases, op_count) if entry.issued and not entry.refused]
+            if due:  # the planned release point: the device lets go of every source whose copy completed
                 self.device.release_completed_sources()
+                self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due
+                                            if entry.to_host is None or entry.to_host.done())
             if placed.swap_ins and placed.swap_ins[0][0] <= op_count:
                 self._fire_triggers(op_count)
         self.due_op = placed.next_op()
@@ -510,10 +513,18 @@ class SwapExecutor:
             self.counters.reused_original_bytes += entry.nbytes
 
     def _fire_triggers(self, op_count: int) -> None:
-        """Start the planned swap-ins whose trigger op has been reached."""
+        """Start the planned swap-ins whose trigger op has been reached. One that would take the device
+        above ``prefetch_limit_bytes`` waits for the next op (or its use): the policy's prediction was
+        short there, and an early prefetch must not be what breaks the budget."""
+        limit = self.prefetch_limit_bytes
         for entry in self._placed.due(self._placed.swap_ins, op_count):
             if entry.restored or entry.in_flight:
                 continue
+            if limit is not None and op_count >= 0 and self.device.live_bytes() + entry.nbytes > limit \
+                    and entry.source() is None:
+                self._schedule(self._placed.swap_ins, op_count + 1, entry)
+                self.counters.prefetches_deferred += 1
+                return
             if not self._prefetch(entry):
                 return
             if entry.ordinal >= 0:
@@ -554,7 +565,6 @@ class SwapExecutor:
             self._issue_overdue(everything=True)
         self.device.release_all_sources()
         self.device.synchronize()
-        self._release_early()
         freed = max(before - self.device.live_bytes(), 0)
         passive_swaps = self.counters.passive_swaps
         if freed < short_bytes and self._kept:
@@ -563,14 +573,6 @@ class SwapExecutor:
             self.counters.pressure_waits += 1
         logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
         return freed
-
-    def _release_early(self) -> None:
-        """Under memory pressure, after ``synchronize``: originals held for a later release point go now
-        (their copies have completed)."""
-        for entry in self._placed.take_releases():
-            if entry.issued and entry.held is not None:
-                entry.release()
-        self.device.release_completed_sources()
 
     def _passive_swap(self, short_bytes: int) -> int:
         kept = [k for k in (ref() for ref in self._kept) if k is not None and k.swapped is None and k.tensor is not None]

@@ -364,6 +364,8 @@ class PolicyController:
         if not self.results:
             return
         choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s)
+        if choice.best is None and not choice.swap_all_faster and self._choose_untried():
+            return
         if choice.best is None:
             logger.warning("%s; swapping every eligible tensor until the next policy", (
                 f"swapping everything was measured faster ({self._swap_all_iteration_s * 1e3:.1f} ms/iteration) than "
@@ -385,6 +387,24 @@ class PolicyController:
             f"; predicted short, passive swap takes {format_bytes(best.passive_swap_bytes)}"
             if best.passive_swap_bytes else "",
         )
+
+    def _choose_untried(self) -> bool:
+        """None of the trials held: rather than swap everything, apply (untried) the policy the trials'
+        feedback made stricter: the fastest predicted to fit, else the one predicted lowest. If it does not
+        hold either, Stable's own checks send the runtime back to WarmUp. False when there is no trace."""
+        if self._trace is None:
+            return False
+        policies = policies_for(self._trace, 1.0, self._settings_now())
+        if not policies:
+            return False
+        self.chosen = fastest_fitting_else_lowest(policies)
+        self.version += 1
+        self._in_place_left = MAX_IN_PLACE_TIGHTENINGS
+        self._scaled_for = 1.0
+        logger.warning("none of %d policy trials held the memory budget; policy %s, stricter by their feedback "
+                       "(aiming %s under the budget), chosen untried (v%d)", len(self.results), self.chosen.name,
+                       format_bytes(self.reserve_bytes), self.version)
+        return True
 
     def _tighten(self, failed: Policy | None, missed_bytes: int = 0) -> None:
         """A policy stopped holding (out of memory, a passive swap, a Stable peak over the budget): the next

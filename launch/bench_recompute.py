@@ -1,0 +1,226 @@
+"""Where the host link is too slow for swapping alone (issue 13 item 2): Chameleon swap-only, Chameleon
+swap + per-tensor recompute, and whole-layer recomputation (``torch.utils.checkpoint`` per block), against
+an unconstrained run, on one emulated device whose link is calibrated to ``--preset``.
+
+The model (launch/swiglu_lm.py) is full of ops that are cheap to rebuild and costly to copy (RMSNorm,
+SwiGLU, LayerNorm, GELU). The capacity takes ``--cut`` of the saved activations off the unswapped peak:
+far more than the link can carry in one iteration, so the generator says swap-only policies do not fit
+("the host link cannot move enough in time") and swap + recompute rebuilds the cheap tensors instead.
+Whole-layer recomputation keeps only each layer's input and runs every layer's forward twice.
+
+Rounds are interleaved; per variant: median iteration time over the unconstrained time of the same round,
+peak device memory against the capacity, bytes swapped and recomputed per iteration, and whether losses
+and final parameters are ``torch.equal`` to the unconstrained run's. Every number is emulated.
+
+    .venv/bin/python launch/bench_recompute.py --json runs/bench_recompute.json   # ~6 min on 2 cores
+    .venv/bin/python launch/bench_recompute.py --small                              # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from machine_info import run_benchmark  # noqa: E402
+from swiglu_lm import SwiGLULM  # noqa: E402
+
+import torch
+from torch.nn import functional as F
+
+from chameleon_dist import Chameleon
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
+
+MIB = 2**20
+VARIANTS = ("unconstrained", "swap_only", "swap_recompute", "layer_recompute")
+
+
+class Runner:
+    """One model copy, its optimizer and device; ``step`` trains one batch and returns its record."""
+
+    def __init__(self, name: str, args: argparse.Namespace, device: EmulatedDevice, config: dict | None,
+                 checkpoint_layers: bool = False) -> None:
+        torch.manual_seed(args.seed)
+        self.name, self.device = name, device
+        self.model = SwiGLULM(args.vocab, args.hidden, args.layers, checkpoint_layers=checkpoint_layers)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.chameleon = Chameleon(config, device=device) if config is not None else None
+        if self.chameleon is not None:
+            self.chameleon.attach(self.model)
+        else:
+            device.track_module(self.model)
+        self.losses: list[torch.Tensor] = []
+        self.records: list[dict] = []
+
+    def step(self, batch: torch.Tensor) -> None:
+        gc.collect()
+
+        def closure() -> torch.Tensor:
+            data = batch.clone()
+            loss = F.cross_entropy(self.model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
+            loss.backward()
+            return loss.detach()
+
+        if self.chameleon is not None:
+            loss = self.chameleon.run_iteration(closure, optimizer=self.optimizer)
+            r = self.chameleon.last_report
+            record = {"iteration_s": r.iteration_s, "peak_bytes": r.peak_device_bytes, "stage": r.stage,
+                      "policy": r.policy, "swap_out_bytes": r.swap_out_bytes, "recomputed_bytes": r.recomputed_bytes,
+                      "stall_s": r.stall_s, "passive_swaps": r.passive_swaps}
+        else:
+            self.device.reset_peak()
+            start_s = time.perf_counter()
+            with self.device.active():
+                loss = closure()
+                self.optimizer.step()
+            record = {"iteration_s": time.perf_counter() - start_s, "peak_bytes": self.device.peak_bytes(),
+                      "stage": "", "policy": "", "swap_out_bytes": 0, "recomputed_bytes": 0, "stall_s": 0.0,
+                      "passive_swaps": 0}
+        self.optimizer.zero_grad(set_to_none=False)
+        self.losses.append(loss.clone())
+        self.records.append(record)
+
+
+def batch_for(args: argparse.Namespace, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(args.seed * 7919 + step)
+    return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+
+
+def run(args: argparse.Namespace) -> dict:
+    flops = measure_matmul_flop_per_s()
+    calibration = calibrate(args.preset, flops)
+    probe = Runner("probe", args, EmulatedDevice(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    parameters = {p.untyped_storage()._cdata for p in probe.model.parameters()}
+    saved: dict[int, int] = {}  # storage -> bytes, of the activations autograd saves
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters:
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        probe.step(batch_for(args, 0))
+    probe.step(batch_for(args, 1))
+    activation_bytes = sum(saved.values())
+    peak_bytes = probe.records[-1]["peak_bytes"]
+    capacity_bytes = int(peak_bytes - args.cut * activation_bytes)
+
+    def device(capacity: int) -> EmulatedDevice:
+        return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
+
+    def config(allow_recompute: bool) -> dict:
+        return {"memory_budget": 1.0, "min_swap_bytes": args.min_swap_bytes,
+                "executor": {"allow_recompute": allow_recompute}, "profiler": {"policy_trials": args.policy_trials}}
+
+    runners = {
+        "unconstrained": Runner("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
+        "swap_only": Runner("swap_only", args, device(capacity_bytes), config(False)),
+        "swap_recompute": Runner("swap_recompute", args, device(capacity_bytes), config(True)),
+        "layer_recompute": Runner("layer_recompute", args, device(UNBOUNDED_CAPACITY_BYTES), None, checkpoint_layers=True),
+    }
+    rounds = args.warmup_rounds + args.rounds
+    for r in range(rounds):
+        batch = batch_for(args, r)
+        for k in range(len(VARIANTS)):  # rotate the order every round
+            runners[VARIANTS[(r + k) % len(VARIANTS)]].step(batch)
+        if args.verbose:
+            print(f"round {r:3d} " + " ".join(f"{n} {runners[n].records[-1]['iteration_s']:.3f}" for n in VARIANTS)
+                  + f" | {runners['swap_recompute'].records[-1]['stage']}", flush=True)
+    timed = range(args.warmup_rounds, rounds)
+    reference = runners["unconstrained"]
+    ref_params = list(reference.model.parameters())
+    out = {}
+    for name, runner in runners.items():
+        rows = [runner.records[i] for i in timed]
+        ratios = [row["iteration_s"] / reference.records[i]["iteration_s"] for row, i in zip(rows, timed)]
+        cham = runner.chameleon
+        chosen = cham.controller.chosen if cham is not None else None
+        out[name] = {
+            "ratio": statistics.median(ratios),
+            "median_iteration_s": statistics.median(row["iteration_s"] for row in rows),
+            "peak_mib": max(row["peak_bytes"] for row in rows) / MIB,
+            "swap_out_mib": statistics.median(row["swap_out_bytes"] for row in rows) / MIB,
+            "recomputed_mib": statistics.median(row["recomputed_bytes"] for row in rows) / MIB,
+            "stall_share": statistics.median(row["stall_s"] / reference.records[i]["iteration_s"]
+                                             for row, i in zip(rows, timed)),
+            "passive_swaps": sum(row["passive_swaps"] for row in rows),
+            "stages": sorted({row["stage"] for row in rows if row["stage"]}),
+            "policies": sorted({row["policy"] for row in rows if row["policy"]}),
+            "chosen_feasible": chosen.feasible if chosen is not None else None,
+            "chosen_reason": chosen.reason if chosen is not None else "",
+            "best_generated_reason": _best_reason(cham),
+            "bit_identical": all(torch.equal(a, b) for a, b in zip(runner.losses, reference.losses, strict=True))
+            and all(torch.equal(a, b) for a, b in zip(runner.model.parameters(), ref_params, strict=True)),
+        }
+    return {"link": {"preset": args.preset, "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
+                     "cpu_flop_per_s": flops},
+            "unswapped_peak_mib": peak_bytes / MIB, "activation_mib": activation_bytes / MIB,
+            "capacity_mib": capacity_bytes / MIB, "link_mib_per_iteration":
+                calibration.d2h_bytes_per_s * reference.records[-1]["iteration_s"] / MIB,
+            "variants": out}
+
+
+def _best_reason(chameleon: Chameleon | None) -> str:
+    """Why the best policy generated last does not fit ("" when it fits or none was generated)."""
+    if chameleon is None or not chameleon.controller.candidates:
+        return ""
+    best = min(chameleon.controller.candidates, key=lambda p: (not p.feasible, p.shortfall_bytes))
+    return best.reason
+
+
+def report(r: dict) -> None:
+    print(f"command: {r['command']}")
+    print(f"emulated (CPU), link = {r['link']['preset']} calibrated: {r['link']['d2h_bytes_per_s'] / 1e6:.2f} MB/s each way")
+    print(f"unswapped peak {r['unswapped_peak_mib']:.2f} MiB, saved activations {r['activation_mib']:.2f} MiB; capacity "
+          f"{r['capacity_mib']:.2f} MiB; the link moves {r['link_mib_per_iteration']:.2f} MiB in one unconstrained iteration")
+    print(f"{'variant':16s} {'ratio':>6s} {'peak MiB':>9s} {'out MiB':>8s} {'recomp MiB':>10s} {'stall %':>7s}  "
+          "bit-identical  policies")
+    for name, v in r["variants"].items():
+        print(f"{name:16s} {v['ratio']:6.3f} {v['peak_mib']:9.2f} {v['swap_out_mib']:8.2f} {v['recomputed_mib']:10.2f} "
+              f"{100 * v['stall_share']:6.1f}%  {'yes' if v['bit_identical'] else 'NO':13s}  {','.join(v['policies'])}")
+    reason = r["variants"]["swap_only"]["best_generated_reason"]
+    if reason:
+        print(f"swap_only: {reason}")
+    print(f"wall time {r['wall_s']:.0f} s")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--cut", type=float, default=0.3, help="share of the saved activations to take off the peak")
+    parser.add_argument("--min-swap-bytes", type=int, default=16 * 1024)
+    parser.add_argument("--policy-trials", type=int, default=5)
+    parser.add_argument("--warmup-rounds", type=int, default=10, help="untimed rounds (WarmUp + GenPolicy)")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--small", action="store_true", help="tiny model and few rounds (smoke test)")
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.small:
+        args.layers, args.hidden, args.seq, args.batch, args.vocab = 2, 64, 32, 1, 64
+        args.min_swap_bytes, args.warmup_rounds, args.rounds = 1024, 8, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    return run_benchmark("bench_recompute.py", argv, args, torch, run, report)
+
+
+if __name__ == "__main__":
+    main()
