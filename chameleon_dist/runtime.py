@@ -257,7 +257,8 @@ class Chameleon:
             passive_swap_bytes=counters.passive_swap_bytes,
         )
         over_budget = self.controller.record(outcome)
-        # passive swaps the controller absorbed (it scaled the policy to a new shape) restart nothing
+        # passive swaps the controller absorbed (a policy scaled to a new shape, a trial's, or those a policy
+        # predicted short was chosen with) restart nothing
         passive_swaps = 0 if self.controller.absorbed_passive_swaps else counters.passive_swaps
         profile = self.profiler.conclude(observation, counters.saved_bytes, passive_swaps, over_budget)
         self.controller.follow(profile.transition, outcome)

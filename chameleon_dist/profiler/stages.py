@@ -3,8 +3,10 @@
 - WarmUp (``warmup_iterations``): detailed profiling; out-of-memory is absorbed by passive swap.
 - GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration.
 - Stable: only the cheap signature. A sequence change (a new program), a passive swap or a peak above the
-  memory budget that the policy controller could not absorb (it tightens the policy in place, and scales
-  it for a larger shape, first: ``policy/selection.py``) returns to WarmUp.
+  memory budget that the policy controller could not absorb returns to WarmUp. The controller absorbs
+  (``policy/selection.py``, and the runtime then reports no passive swaps here): peaks over the budget
+  within the capacity, by tightening the policy in place; a larger shape, by scaling the policy; and the
+  passive swaps a policy predicted short was chosen with, while they stay near what its trials measured.
 A passive swap during WarmUp does not restart it: WarmUp runs with passive swap as its safety net.
 A major change during GenPolicy restarts WarmUp (the trace no longer describes the job). During WarmUp
 it does not: every WarmUp iteration renews the trace and the reference anyway, and the first iteration
