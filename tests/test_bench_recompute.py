@@ -17,3 +17,16 @@ def test_small_run_reports_every_variant_bit_identically(tmp_path, capsys):
     assert variants["swap_only"]["recomputed_mib"] == 0
     assert variants["layer_recompute"]["peak_mib"] < variants["unconstrained"]["peak_mib"]
     assert (tmp_path / "r.json").exists() and "swap_recompute" in capsys.readouterr().out
+
+
+def test_recompute_inputs_are_the_tensors_they_were_at_a_mid_size_shape(tmp_path):
+    """At hidden 256 a storage address freed by a swapped input gets reused by another storage within an
+    iteration: a recipe input found by address alone rebuilt a tensor from the wrong bytes (wrong losses).
+    Inputs are found through what held their storage, checked against the storage itself."""
+    results = bench_recompute.main(["--layers", "3", "--hidden", "256", "--seq", "128", "--batch", "2",
+                                    "--vocab", "256", "--warmup-rounds", "8", "--rounds", "2",
+                                    "--json", str(tmp_path / "r.json")])
+    recompute = results["variants"]["swap_recompute"]
+    assert recompute["recomputed_mib"] > 0 or recompute["policies"], recompute
+    assert all(v["bit_identical"] for v in results["variants"].values()), \
+        {k: v["bit_identical"] for k, v in results["variants"].items()}
