@@ -473,6 +473,8 @@ def run(args: argparse.Namespace) -> dict:
             "name": chosen.name, "feasible": chosen.feasible, "predicted_peak_mib": chosen.predicted_peak_bytes / MIB,
             "predicted_stall_s": chosen.predicted_stall_s, "predicted_iteration_s": chosen.predicted_iteration_s,
             "swap_mib": chosen.saved_bytes(Decision.SWAP) / MIB, "swapped_storages": sum(e.decision == Decision.SWAP for e in chosen.entries),
+            "recompute_mib": chosen.saved_bytes(Decision.RECOMPUTE) / MIB,
+            "recomputed_storages": sum(e.decision == Decision.RECOMPUTE for e in chosen.entries),
             "version": cham.controller.version},
         "trials": trials,
         "chameleon_rounds": [{"round": i, "stage": x["stage"], "policy": x["policy"], "iteration_s": x["iteration_s"],
@@ -532,7 +534,8 @@ def print_report(r: dict) -> None:
     pol = r["chameleon_policy"]
     if pol:
         print(f"chameleon: policy {pol['name']} (v{pol['version']}, feasible {pol['feasible']}): swaps "
-              f"{pol['swapped_storages']} storages, {pol['swap_mib']:.2f} MiB; predicted peak {pol['predicted_peak_mib']:.2f} "
+              f"{pol['swapped_storages']} storages, {pol['swap_mib']:.2f} MiB, recomputes {pol['recomputed_storages']} "
+              f"storages, {pol['recompute_mib']:.2f} MiB; predicted peak {pol['predicted_peak_mib']:.2f} "
               f"MiB, stall {pol['predicted_stall_s'] * 1e3:.1f} ms; measured stages {cv['stages']}, passive swaps "
               f"{cv['passive_swaps']}, OOM retries {cv['oom_retries']}, on-demand fetches/it {cv['on_demand_fetches']:.0f}, "
               f"pressure waits {cv['pressure_waits']}, unmatched (max) {cv['unmatched']}")

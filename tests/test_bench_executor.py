@@ -38,8 +38,11 @@ def test_small_run_reports_every_variant(tmp_path, capsys):
         assert len(v["iteration_s"]) == results["rounds"]["timed"] == 4, name
     for name in ("chameleon", "baseline"):
         assert variants[name]["peak_mib"] * 2**20 <= model["capacity_bytes"], name
-    for name in ("chameleon", "baseline", "save_on_cpu"):
+    for name in ("baseline", "save_on_cpu"):
         assert variants[name]["swap_out_mib"] > 0, name
+    # Chameleon takes bytes off the device by swapping them, or by recomputing them (executor.allow_recompute)
+    policy = results["chameleon_policy"]
+    assert variants["chameleon"]["swap_out_mib"] > 0 or (policy is not None and policy["recompute_mib"] > 0)
     assert variants["baseline"]["swap_out_mib"] >= variants["chameleon"]["swap_out_mib"]
 
     assert any(r["stage"] == "stable" and r["policy"] for r in results["chameleon_rounds"]), "Stable reached"
