@@ -54,6 +54,7 @@ from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from machine_info import run_benchmark  # noqa: E402
+from saved_activations import SavedActivations  # noqa: E402
 from toy_gpt import GPT, forward_matmul_flop  # noqa: E402
 
 import torch
@@ -272,15 +273,8 @@ def measure_unswapped(args: argparse.Namespace, measured_iterations: int = 2) ->
     model = chameleon.attach(make_model(args))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     warmup = chameleon.config.profiler.warmup_iterations
-    parameter_keys = {storage_key(p.untyped_storage()) for p in model.parameters()}
     peaks, forward_s, iteration_s = [], [], []
-    saved: dict[int, int] = {}
-
-    def note(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage_key(storage) not in parameter_keys and device.is_device_tensor(tensor):
-            saved[storage_key(storage)] = storage.nbytes()
-        return tensor
+    saved = SavedActivations(model.parameters(), device.is_device_tensor)
 
     for step in range(warmup + measured_iterations):
         batch = host_batch(args, step)
@@ -288,8 +282,8 @@ def measure_unswapped(args: argparse.Namespace, measured_iterations: int = 2) ->
         def closure() -> torch.Tensor:
             start_s = time.perf_counter()
             data = batch.clone()
-            saved.clear()
-            with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+            saved.bytes_by_storage.clear()
+            with saved.hooks():
                 loss = F.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
             forward_s.append(time.perf_counter() - start_s)
             loss.backward()
@@ -302,7 +296,7 @@ def measure_unswapped(args: argparse.Namespace, measured_iterations: int = 2) ->
         iteration_s.append(chameleon.last_report.iteration_s)
     return {"peak_bytes": max(peaks[1:]), "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "forward_s": statistics.median(forward_s[warmup:]), "iteration_s": statistics.median(iteration_s[warmup:]),
-            "saved_storage_bytes": sorted(saved.values(), reverse=True)}
+            "saved_storage_bytes": sorted(saved.bytes_by_storage.values(), reverse=True)}
 
 
 # ---- statistics -----------------------------------------------------------------------------------

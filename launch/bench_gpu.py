@@ -58,6 +58,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from machine_info import finish, header, write_json  # noqa: E402
+from saved_activations import SavedActivations  # noqa: E402
 from toy_gpt import GPT  # noqa: E402
 
 import torch
@@ -69,7 +70,6 @@ from chameleon_dist import Chameleon
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.device.meter import storage_key
 from chameleon_dist.policy.model import Decision
 
 MIB, GIB = 2**20, 2**30
@@ -267,26 +267,20 @@ def probe(variant: Variant, batch: torch.Tensor) -> dict:
     zeroed again): the bytes in use when an iteration starts, the peak above them, and the saved
     activations. Run twice; the second is kept (the first also allocates library workspaces)."""
     model, device = variant.model, variant.device
-    parameter_keys = {storage_key(p.untyped_storage()) for p in model.parameters()}
     result = {}
     for _ in range(2):
-        saved: dict[int, int] = {}
-
-        def note(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage_key(storage) not in parameter_keys and device.is_device_tensor(tensor):
-                saved[storage_key(storage)] = storage.nbytes()
-            return tensor
+        saved = SavedActivations(model.parameters(), device.is_device_tensor)
 
         closure, _ = variant._closure(batch)
         variant._synchronize()
         device.reset_peak()
         start_live_bytes = device.live_bytes()
-        with device.active(), torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+        with device.active(), saved.hooks():
             closure()
         variant._synchronize()
         result = {"start_live_bytes": start_live_bytes, "peak_bytes": device.peak_bytes(),
-                  "saved_activation_bytes": sum(saved.values()), "saved_storages": len(saved)}
+                  "saved_activation_bytes": sum(saved.bytes_by_storage.values()),
+                  "saved_storages": len(saved.bytes_by_storage)}
         for p in model.parameters():
             p.grad.zero_()
     result["activation_peak_bytes"] = result["peak_bytes"] - result["start_live_bytes"]

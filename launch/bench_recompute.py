@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from machine_info import run_benchmark  # noqa: E402
+from saved_activations import SavedActivations  # noqa: E402
 from swiglu_lm import SwiGLULM  # noqa: E402
 
 import torch
@@ -96,19 +97,11 @@ def run(args: argparse.Namespace) -> dict:
     flops = measure_matmul_flop_per_s()
     calibration = calibrate(args.preset, flops)
     probe = Runner("probe", args, EmulatedDevice(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
-    parameters = {p.untyped_storage()._cdata for p in probe.model.parameters()}
-    saved: dict[int, int] = {}  # storage -> bytes, of the activations autograd saves
-
-    def note(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage._cdata not in parameters:
-            saved[storage._cdata] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+    saved = SavedActivations(probe.model.parameters())
+    with saved.hooks():
         probe.step(batch_for(args, 0))
     probe.step(batch_for(args, 1))
-    activation_bytes = sum(saved.values())
+    activation_bytes = sum(saved.bytes_by_storage.values())
     peak_bytes = probe.records[-1]["peak_bytes"]
     capacity_bytes = int(peak_bytes - args.cut * activation_bytes)
 
