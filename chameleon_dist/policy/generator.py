@@ -274,9 +274,17 @@ def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Plan
     needed_at = {c.storage_id: c.first_backward_use for c in chosen}
     for cand in sorted(chosen, key=lambda c: (c.first_backward_use, c.storage_id)):
         use = needed_at[cand.storage_id]
+        copy_s = cand.nbytes / s.h2d_bytes_per_s
+        use_group = int(group_of[use])
+        lowest = int(group_of[min(len(group_of) - 1, cand.last_forward_use + 1)]) + 1
+        covered, g = 0.0, use_group - 1  # the layers before the use whose spare link time hides the copy
+        while g >= lowest and g >= 0:
+            covered += spare_in[g]
+            if covered >= copy_s:
+                break
+            g -= 1
         if cand.storage_id in recompute or (
-            variant.allow_recompute and cand.recompute_exact and _uncovered_in_s(ctx, cand, use, spare_in)
-            > ctx.op_times_s[cand.created_at]
+            variant.allow_recompute and cand.recompute_exact and copy_s - covered > ctx.op_times_s[cand.created_at]
         ):
             recompute.add(cand.storage_id)
             planned[cand.storage_id] = Planned(
@@ -289,15 +297,6 @@ def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Plan
             continue
         p = planned[cand.storage_id]
         p.first_backward_use = use
-        copy_s = cand.nbytes / s.h2d_bytes_per_s
-        use_group = int(group_of[use])
-        lowest = int(group_of[min(len(group_of) - 1, cand.last_forward_use + 1)]) + 1
-        covered, g = 0.0, use_group - 1
-        while g >= lowest and g >= 0:
-            covered += spare_in[g]
-            if covered >= copy_s:
-                break
-            g -= 1
         g = max(g, lowest, 0) if use_group > 0 else use_group
         need = copy_s
         for h in range(g, use_group):
@@ -313,17 +312,6 @@ def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Plan
             ahead_s += ctx.op_times_s[at]
         p.swap_in_at = max(at, cand.last_forward_use + 1, p.swap_out_at + 1)  # (never back before it left)
     return [planned[c.storage_id] for c in chosen]
-
-
-def _uncovered_in_s(ctx: Context, cand: Candidate, use: int, spare_in: list[float]) -> float:
-    """Copy seconds of ``cand``'s swap-in that the spare link time of the layers between its window's start
-    and ``use`` cannot hide."""
-    copy_s = cand.nbytes / ctx.settings.h2d_bytes_per_s
-    group_of = ctx.group_of
-    use_group = int(group_of[use])
-    lowest = int(group_of[min(len(group_of) - 1, cand.last_forward_use + 1)]) + 1
-    covered = sum(spare_in[g] for g in range(max(lowest, 0), use_group))
-    return max(0.0, copy_s - covered)
 
 
 def _recomputed(ctx: Context, chosen: list[Candidate], variant: Variant) -> set[int]:
