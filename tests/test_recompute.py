@@ -117,3 +117,23 @@ def test_input_changed_in_place_after_the_save_raises():
         h.add_(1.0)  # after the save
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             recipe.run(executor._unpack_quietly)
+
+
+def test_a_producer_whose_result_object_died_is_still_found():
+    """``matmul`` returns ``mm``'s result through ``_unsafe_view``: the ``mm`` result object dies at once while
+    its storage lives on. The producer is found by the storage it made, and rebuilds the same bytes."""
+    from chameleon_dist.device.base import byte_view
+    from chameleon_dist.executor import SwapExecutor
+    from chameleon_dist.executor.recompute import ProducerLog
+
+    executor = SwapExecutor(EmulatedDevice(10**9), min_swap_bytes=0)
+    log = ProducerLog(executor._holders.holder_of)
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    out = torch.ops.aten.mm.default(a, b)
+    log.note(torch.ops.aten.mm.default, (a, b), {}, out)
+    view = torch.ops.aten._unsafe_view.default(out, [64])
+    log.note(torch.ops.aten._unsafe_view.default, (out, [64]), {}, view)
+    del out
+    recipe = log.recipe_for(view.untyped_storage(), executor._pack_input)
+    assert recipe is not None
+    assert torch.equal(recipe.run(executor._unpack_quietly), byte_view(view.untyped_storage()))

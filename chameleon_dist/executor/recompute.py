@@ -79,14 +79,13 @@ class Recipe:
 
     __slots__ = ("func", "args", "kwargs", "output_index", "dtype", "size", "stride", "offset", "nbytes")
 
-    def __init__(self, func, args, kwargs, output_index: int | None, output: torch.Tensor) -> None:
+    def __init__(self, func, args, kwargs, output_index: int | None, output: "_Output") -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
         self.output_index = output_index
-        self.dtype, self.size, self.stride = output.dtype, output.size(), output.stride()
-        self.offset = output.storage_offset()
-        self.nbytes = output.untyped_storage().nbytes()
+        self.dtype, self.size, self.stride, self.offset = output.dtype, output.size, output.stride, output.offset
+        self.nbytes = output.nbytes
 
     def run(self, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         """The rebuilt storage's bytes. ``unpack`` turns a packed input back into its tensor."""
@@ -114,6 +113,18 @@ def _materialize(value: Any, unpack: Callable[[Any], torch.Tensor]) -> Any:
     return value
 
 
+class _Output:
+    """A tensor result of a logged op, as it was: its storage and layout. The result object itself often
+    dies right away (``mm`` inside ``matmul`` returns through ``_unsafe_view``) while its storage lives on."""
+
+    __slots__ = ("key", "dtype", "size", "stride", "offset", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.key, self.nbytes = storage_key(storage), storage.nbytes()
+        self.dtype, self.size, self.stride, self.offset = tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+
 class _Packed:
     """A tensor input of a recipe: packed like a saved tensor, and how to view it again."""
 
@@ -138,7 +149,7 @@ class ProducerLog:
         outputs = out if type(out) is tuple or type(out) is list else (out,)
         holder_of = self._holder_of
         self._ops.append((func, _weak(tuple(args), holder_of), {k: _weak(v, holder_of) for k, v in (kwargs or {}).items()},
-                          tuple(weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in outputs),
+                          tuple(_Output(o) if isinstance(o, torch.Tensor) else None for o in outputs),
                           type(out) is tuple or type(out) is list))
 
     def recipe_for(self, storage: torch.UntypedStorage, pack: Callable[[torch.Tensor], Any]) -> Recipe | None:
@@ -148,11 +159,12 @@ class ProducerLog:
         recomputable, or an input can be found neither way."""
         key = storage_key(storage)
         for func, args, kwargs, outputs, several in reversed(self._ops):
-            index = next((i for i, ref in enumerate(outputs)
-                          if ref is not None and (t := ref()) is not None and storage_key(t.untyped_storage()) == key), None)
+            index = next((i for i, o in enumerate(outputs) if o is not None and o.key == key), None)
             if index is None:
                 continue
-            output = outputs[index]()
+            output = outputs[index]
+            if output.nbytes != storage.nbytes():
+                continue  # (another storage that had this address earlier)
             weak_inputs = [w for v in (*args, *kwargs.values()) for w in _weak_items(v)]
             if any(w.key == key for w in weak_inputs):
                 continue  # a view of, or a write to, one of its inputs: the creator came earlier
