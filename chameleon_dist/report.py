@@ -73,6 +73,7 @@ class IterationReport:
     tightened_in_place: bool = False  # see above
     failed: bool = False  # the iteration raised (``error``): nothing after the failing op happened
     error: str = ""  # the exception's type and first line, for a failed iteration
+    rank: str = ""  # the rank's coordinates in a distributed job (``RankCoordinates.label``); "" alone
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -35,6 +35,7 @@ from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
 from chameleon_dist.profiler.online import Observation, OnlineProfiler
+from chameleon_dist.ranks import RankCoordinates
 from chameleon_dist.report import IterationReport
 from chameleon_dist.retry import GradientSnapshot, RandomState, final_out_of_memory, optimizer_state_guard
 from chameleon_dist.trace.stages import Stage
@@ -103,6 +104,8 @@ class Chameleon:
             ``config.host_memory_budget``.
         process_groups: the rank's process groups (kept for the distributed integrations; the runtime
             never creates one).
+        coordinates: the rank's place in a distributed job, shown in every report (``rank``); the engine
+            integrations read it from the process groups. None: a job of one rank.
 
     Raises:
         ConfigError: when the config cannot be meant as written (a budget above the capacity, a host
@@ -126,8 +129,10 @@ class Chameleon:
         config: ChameleonConfig | dict | str | None = None,
         device: Device | None = None,
         process_groups: Any = None,
+        coordinates: RankCoordinates | None = None,
     ) -> None:
         self.config = load_config(config)
+        self.coordinates = coordinates
         self.device = device if device is not None else make_device(self.config)
         problems = runtime_problems(self.config, self.device, device_passed=device is not None,
                                     host_total_bytes=physical_memory_bytes())
@@ -231,6 +236,7 @@ class Chameleon:
                         policy=policy, op_clock=lambda ids=observation.ids: len(ids), observer=observation.recorder,
                         hide_own_ops=self.profiler.scope.quiet, writes_reported=True,
                         site_clock=self.profiler.site_clock(observation),
+                        micro_batch=lambda clock=self.profiler.micro_batches: clock.current,
                     )
                     with self.executor.active(context) as running.counters:
                         yield
@@ -449,4 +455,5 @@ class Chameleon:
             late_swap_outs=counters.late_swap_outs,
             recomputed_bytes=counters.recomputed_bytes,
             recompute_unavailable=counters.recompute_unavailable,
+            rank=self.coordinates.label if self.coordinates is not None else "",
         )

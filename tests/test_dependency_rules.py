@@ -22,9 +22,11 @@ ALLOWED = {
     "models": {"units", "trace", "device", "profiler"},
     "planner": {"units", "trace", "policy", "config", "models"},
     "report": {"units"},
+    "ranks": {"units"},
     "retry": {"units", "device"},
     "runtime": {
         "units", "config", "trace", "device", "profiler", "policy", "executor", "planner", "report", "retry",
+        "ranks",
     },
     "integrations": None,  # anything
     "cli": None,

@@ -21,6 +21,10 @@ def _unknown_site() -> str:
     return "?"
 
 
+def _unnamed_micro_batch() -> int | None:
+    return None
+
+
 class SwapObserver(Protocol):
     """What the detailed profiler wants to hear from the executor (profiling iterations only)."""
 
@@ -53,6 +57,9 @@ class IterationContext:
             with a dispatch mode of its own.
         site_clock: where the iteration is now ("layer:last op"), part of every save's site (NOTE
             [Save-site matching] in ``executor/matching.py``). The default knows neither.
+        micro_batch: the micro-batch the engine's schedule names now (``MicroBatchClock`` in
+            ``profiler/scope.py``), the first part of every save's site; None (the default): the executor
+            counts micro-batches itself (a forward save after a backward pass starts the next one).
     """
 
     policy: Policy | None = None
@@ -61,6 +68,7 @@ class IterationContext:
     hide_own_ops: Callable[[], ContextManager[None]] = contextlib.nullcontext
     writes_reported: bool = False
     site_clock: Callable[[], str] = _unknown_site
+    micro_batch: Callable[[], int | None] = _unnamed_micro_batch
 
 
 @dataclasses.dataclass

@@ -24,7 +24,8 @@ from chameleon_dist.policy.model import Decision, Policy, PolicyEntry, save_key
 #     "<micro-batch>:<layer>:<last op>:<dtype>:<rank>"
 #
 # - micro-batch: how many times a forward save followed a backward pass in this iteration (the executor
-#   counts it: a save outside backward after an unpack starts the next micro-batch);
+#   counts it: a save outside backward after an unpack starts the next micro-batch), or the identity an
+#   engine's schedule names (``IterationContext.micro_batch``: under 1F1B and interleaving, counting is wrong);
 # - layer: the transformer layer running (``layers.<i>`` and the like; -1 outside any), from hooks on the
 #   layer modules (``profiler.scope.LayerClock``);
 # - last op: the aten op recorded last before the save. For an op's outputs that is the op itself; for its

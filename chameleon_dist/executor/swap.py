@@ -11,9 +11,9 @@ from its producer's inputs (NOTE [Per-tensor recompute] in recompute.py); one ne
 started is fetched on demand and counted. Under memory pressure the executor first lets in-flight swap-outs land,
 then swaps out idle kept tensors synchronously (passive swap).
 
-Never swapped: parameters and views of parameters, tensors that are not plain dense device tensors, and
-anything packed while a backward pass runs (recompute inside backward). Values are copied byte for byte
-and views are rebuilt with their exact strides, so training stays bit-identical.
+Never swapped: parameters and views of them, what ``protect`` names (engine buffers), tensors that are not
+plain dense device tensors, and anything packed while a backward pass runs (recompute inside backward).
+Values are copied byte for byte and views are rebuilt with their exact strides: training stays bit-identical.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,7 +44,6 @@ TIGHTEN_FACTOR = 16
 """``tighten()`` divides ``min_swap_bytes`` by this (and goes to 0 below 1 KiB)."""
 
 _IDLE = IterationContext()
-
 
 
 class SwapExecutor:
@@ -74,9 +73,7 @@ class SwapExecutor:
         executor = SwapExecutor(device, min_swap_bytes=2**20)
         executor.protect(model)  # parameters and buffers never leave
         with executor.active(IterationContext(policy=policy)) as counters:
-            loss = model(batch).sum()
-            loss.backward()
-        logger.info("swapped out %d bytes", counters.swap_out_bytes)
+            model(batch).sum().backward()
 
     Under memory pressure the device calls ``relieve_pressure`` (the runtime installs it as the device's
     pressure handler). After an out-of-memory error, ``new_attempt`` starts the iteration over.
@@ -94,6 +91,7 @@ class SwapExecutor:
         self.prefetch_limit_bytes: int | None = None
         self.counters = SwapCounters()
         self._protected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._protected_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
         self._protected_keys: set[int] = set()
         self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
         # storage key -> the entries whose bytes live there (swapped originals, restored copies): an
@@ -117,19 +115,24 @@ class SwapExecutor:
         self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []
 
     # ---- setup ------------------------------------------------------------------------------
-    def protect(self, module: nn.Module) -> None:
-        """Never swap ``module``'s parameters, buffers, or views of them."""
-        self._protected.add(module)
+    def protect(self, owner: nn.Module | Callable[[], Iterable[torch.Tensor]]) -> None:
+        """Never swap ``owner``'s tensors or views of them: a module's parameters and buffers, or what a
+        callable yields (an engine's own buffers: gradient buckets, workspaces), read when each iteration
+        begins. ``protect_now`` adds a buffer made during an iteration."""
+        self._protected.add(owner) if isinstance(owner, nn.Module) else self._protected_sources.append(owner)
+
+    def protect_now(self, tensor: torch.Tensor) -> None:
+        self._protected_keys.add(storage_key(tensor.untyped_storage()))
 
     def protected_keys(self) -> set[int]:
-        """Storage keys of the protected modules' parameters and buffers (as of now)."""
+        """Storage keys of the protected tensors (as of now)."""
         self._refresh_protected()
         return self._protected_keys
 
     def _refresh_protected(self) -> None:
+        modules = (t for module in self._protected for t in [*module.parameters(), *module.buffers()])
         self._protected_keys = self._holders.set_parameters(
-            t for module in self._protected for t in [*module.parameters(), *module.buffers()]
-        )
+            [*modules, *(t for source in self._protected_sources for t in source())])
 
     @property
     def policy(self) -> Policy | None:
@@ -307,8 +310,8 @@ class SwapExecutor:
 
     def _site(self, tensor: torch.Tensor) -> str:
         """NOTE [Save-site matching] in ``matching.py``."""
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        return f"{self._micro_batch}:{self._context.site_clock()}:{dtype}:{tensor.dim()}"
+        dtype, named = str(tensor.dtype).removeprefix("torch."), self._context.micro_batch()
+        return f"{self._micro_batch if named is None else named}:{self._context.site_clock()}:{dtype}:{tensor.dim()}"
 
     def _seen_before(self, storage: torch.UntypedStorage) -> bool:
         """Whether a storage was saved before in this attempt; a new one takes the next save ordinal (NOTE

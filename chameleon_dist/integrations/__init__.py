@@ -11,5 +11,6 @@ from chameleon_dist.patching import Patch
 def defined_patches() -> tuple[Patch, ...]:
     """Every runtime patch defined by the integrations (definitions only; nothing is applied)."""
     from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES
+    from chameleon_dist.integrations.megatron.schedule import SCHEDULE_PATCHES
 
-    return tuple(CPU_PATCHES)
+    return (*CPU_PATCHES, *SCHEDULE_PATCHES)

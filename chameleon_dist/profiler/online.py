@@ -13,7 +13,7 @@ from torch import nn
 
 from chameleon_dist.device.base import DeviceTimer, HostTimer
 from chameleon_dist.profiler.recorder import TraceRecorder
-from chameleon_dist.profiler.scope import LayerClock, TrainingScope
+from chameleon_dist.profiler.scope import LayerClock, MicroBatchClock, TrainingScope
 from chameleon_dist.profiler.signature import Comparison, OpListener, OpVocabulary, Signature, SignatureMode, compare
 from chameleon_dist.profiler.stages import StageMachine
 from chameleon_dist.trace.stages import Stage, Transition
@@ -60,6 +60,7 @@ class OnlineProfiler:
         self.vocabulary = OpVocabulary()
         self.scope = TrainingScope()
         self.layers = LayerClock()
+        self.micro_batches = MicroBatchClock()  # set by an engine integration's schedule hooks
         self.stages = StageMachine(warmup_iterations, policy_trials)
         self.length_change = length_change
         self.cosine_threshold = cosine_threshold
@@ -105,10 +106,11 @@ class OnlineProfiler:
         second dispatch mode needed)."""
         stage = self.stages.stage
         self.layers.reset()
+        self.micro_batches.clear()
         ids: list[int] = []
         if stage == Stage.WARMUP:
             recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated,
-                                     self.scope, timer=self.timer())
+                                     self.scope, timer=self.timer(), micro_batches=self.micro_batches)
             recorder.signature_ids = ids
             for model in models:
                 recorder.watch_modules(model)

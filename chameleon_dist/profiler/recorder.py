@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.device.base import DeviceTimer, HostTimer
-from chameleon_dist.profiler.scope import LayerTimes, TrainingScope, is_layer_path, layer_of
+from chameleon_dist.profiler.scope import LayerTimes, MicroBatchClock, TrainingScope, is_layer_path, layer_of
 from chameleon_dist.profiler.signature import OpListener, OpVocabulary
 from chameleon_dist.trace.writes import WrittenTensors
 from chameleon_dist.trace.step_trace import (
@@ -47,8 +47,10 @@ class TraceRecorder(TorchDispatchMode):
         emulated: bool,
         scope: TrainingScope | None = None,
         timer: DeviceTimer | None = None,
+        micro_batches: MicroBatchClock | None = None,
     ) -> None:
         super().__init__()
+        self._micro_batches = micro_batches if micro_batches is not None else MicroBatchClock()
         self._scope = scope if scope is not None else TrainingScope()
         self._id_of = vocabulary.id_of
         self._vocabulary = vocabulary
@@ -196,11 +198,13 @@ class TraceRecorder(TorchDispatchMode):
             self._last_phase = FORWARD
         elif phase is BACKWARD:
             self._last_phase = BACKWARD
+        named = self._micro_batches.current  # the schedule's identity, when it gives one
+        micro_batch = self._micro_batch if named is None else named
         stack = self._module_stack
         module_id = stack[-1] if stack else -1
         layer = self._module_layers[module_id] if stack else -1
         self.ops.append(
-            (name_id, phase, self._micro_batch, module_id, layer, tuple(inputs), tuple(outputs), self._live_bytes())
+            (name_id, phase, micro_batch, module_id, layer, tuple(inputs), tuple(outputs), self._live_bytes())
         )
         if self.signature_ids is not None:  # the same rule as SignatureMode
             inside = phase is not OTHER and (phase is not OPTIMIZER or self._scope.in_autograd())

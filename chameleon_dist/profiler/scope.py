@@ -10,6 +10,8 @@ own bookkeeping ops (copies, restores) from the profiler, so the sequence descri
 ``LayerClock``: which transformer layer (a module at ``layers.<i>``, ``blocks.<i>``, ``h.<i>`` or
 ``layer.<i>``) of the attached models is running, in every iteration (two hooks per layer call).
 
+``MicroBatchClock``: which micro-batch the training thread works on, when an engine's schedule says so.
+
 ``LayerTimes``: how long each layer's forward and backward took in a profiled iteration, measured with the
 device's timer (CUDA events on a GPU, the host clock on the emulated device).
 """
@@ -73,6 +75,29 @@ class LayerClock:
     def reset(self) -> None:
         """Forget layers an exception left entered (an iteration starts over)."""
         self._stack.clear()
+
+
+class MicroBatchClock:
+    """The micro-batch the training thread works on now, as the engine's schedule names it (Megatron's
+    forward and backward steps, DeepSpeed's pipeline instructions), or None when nobody names it.
+
+    With None, the trace recorder and the executor infer it: a forward op (a save) after a backward pass
+    starts the next micro-batch. That is right for gradient accumulation in a plain loop (F B F B ...) and
+    wrong under 1F1B pipelining, where the first stage runs F F B F B ... B B with up to ``pp`` micro-batches
+    in flight, and under interleaving, where model chunks alternate: there an integration calls ``enter``
+    at each forward and backward step with the schedule's own identity (a number unique within the
+    iteration, e.g. ``chunk * micro_batches + micro_batch``). The profiler clears it when an iteration
+    begins, so a plain loop after a pipelined one infers again."""
+
+    def __init__(self) -> None:
+        self.current: int | None = None
+
+    def enter(self, micro_batch: int) -> None:
+        """The schedule's next step works on ``micro_batch`` (its forward or its backward)."""
+        self.current = micro_batch
+
+    def clear(self) -> None:
+        self.current = None
 
 
 class TrainingScope:

@@ -112,6 +112,17 @@ class StepTrace:
             curve.append(op.live_bytes + running)
         return curve
 
+    def phase_runs(self) -> list[tuple[str, int]]:
+        """``(phase, micro_batch)`` of each run of backward ops and of forward ops inside a model's modules,
+        in order (other ops, e.g. a pipeline's receive buffers, are skipped): under 1F1B on the first of two
+        stages, ``forward 0, forward 1, backward 0, forward 2, ...``."""
+        runs: list[tuple[str, int]] = []
+        for op in self.ops:
+            counted = op.phase == BACKWARD or (op.phase == FORWARD and op.module_id >= 0)
+            if counted and (not runs or runs[-1] != (op.phase, op.micro_batch)):
+                runs.append((op.phase, op.micro_batch))
+        return runs
+
     def micro_batch_peaks(self, curve: list[int] | None = None) -> list[tuple[int, int, int]]:
         """``(micro_batch, peak_bytes, op_index)`` per micro-batch (segments end at BWD->FWD turns)."""
         curve = self.no_swap_memory_curve() if curve is None else curve

@@ -78,10 +78,12 @@ def megatron_cpu_session(
     *,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
 ) -> Iterator[CpuSession]:
     """Run Megatron-core on CPU: CPU patches, gloo process group, model-parallel state, RNG tracker.
 
-    The global CPU RNG is seeded with ``seed`` on entry and restored on exit. Everything created here is
+    Under torchrun (``MASTER_ADDR``/``MASTER_PORT`` set) the gloo group spans every rank; else it is a
+    group of one. The global CPU RNG is seeded with ``seed`` on entry and restored on exit. Everything created here is
     torn down on exit (also on error), so sessions can follow one another in the same process.
     """
     if parallel_state.model_parallel_is_initialized():
@@ -97,6 +99,7 @@ def megatron_cpu_session(
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         )
         stack.callback(parallel_state.destroy_model_parallel)
         # The inference tracker never forks RNG states (there is no CUDA RNG to fork): dropout must be 0.
@@ -134,6 +137,7 @@ def transformer_config(shape: TransformerShape, **overrides: Any) -> Transformer
         "ffn_hidden_size": shape.ffn_hidden_size,
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         "use_cpu_initialization": True,
         "params_dtype": torch.float32,
         "pipeline_dtype": torch.float32,
@@ -157,21 +161,26 @@ def build_gpt(
     seed: int = 1234,
     *,
     gpt_kwargs: Mapping[str, Any] | None = None,
+    vp_stage: int | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
     """Build a ``GPTModel`` (local layer spec, fp32, no fusions) inside a :func:`megatron_cpu_session`.
 
     Parameters depend only on ``shape``, ``seed`` and the overrides: building twice gives identical
     parameters. The caller's CPU RNG state is left untouched. ``config_overrides`` go to the
-    ``TransformerConfig`` (e.g. ``recompute_granularity="full"``), ``gpt_kwargs`` to ``GPTModel``.
+    ``TransformerConfig`` (e.g. ``recompute_granularity="full"``), ``gpt_kwargs`` to ``GPTModel``. Under
+    interleaving, build one chunk per ``vp_stage`` (0 .. vpp-1).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_gpt needs Megatron's model-parallel state: enter megatron_cpu_session() first")
     config = transformer_config(shape, **config_overrides)
+    interleaved = vp_stage is not None
     kwargs: dict[str, Any] = {
-        "pre_process": parallel_state.is_pipeline_first_stage(),
-        "post_process": parallel_state.is_pipeline_last_stage(),
+        "pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=not interleaved, vp_stage=vp_stage),
+        "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=not interleaved, vp_stage=vp_stage),
     }
+    if interleaved:
+        kwargs["vp_stage"] = vp_stage
     kwargs.update(gpt_kwargs or {})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,0 +1,271 @@
+"""``install``: Chameleon on one rank of a megatron-core job, driven by Megatron's own pipeline schedule.
+
+A training script adds, after building its model chunks (and optimizer)::
+
+    chameleon = install(model_chunks, config, process_groups=pg_collection, optimizer=optimizer)
+    forward_backward = chameleon.wrap(get_forward_backward_func())
+
+and calls ``forward_backward(...)`` exactly as before. Each call is one iteration of the rank's runtime: it
+opens when the call begins and closes when ``optimizer.step()`` returns (or when the call returns, if no
+optimizer was given). The schedule's forward and backward steps name each micro-batch and model chunk
+(``schedule.py``); Megatron's parameters, DDP gradient buffers and ``GlobalMemoryBuffer`` workspaces are
+never swapped, nor is anything packed while Megatron recomputes a layer inside backward.
+
+Failure (NOTE [One rank cannot retry alone]): a multi-rank job never retries an iteration. The error a rank
+raises names its coordinates; the launcher (torchrun) then ends the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chameleon_dist.config import ChameleonConfig
+from chameleon_dist.config.megatron_args import config_from_megatron_args
+from chameleon_dist.device.base import Device
+from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu
+from chameleon_dist.integrations.megatron.schedule import ScheduleTracker, schedule_patches
+from chameleon_dist.patching import PatchSet, apply_patches
+from chameleon_dist.ranks import RankCoordinates, RankLogPrefix
+from chameleon_dist.runtime import Chameleon
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+logger = logging.getLogger(__name__)
+
+# NOTE [One rank cannot retry alone]
+# A single-rank runtime retries an iteration that ran out of memory (``Chameleon.run_iteration``). In a
+# Megatron job that is impossible: when one rank fails inside its forward or backward, its pipeline peers
+# already wait on its sends and its tensor- and data-parallel peers on its collectives, and none of them
+# can take back what they did. So on every rank: passive swap absorbs pressure inside the op that allocates
+# (the executor swaps kept activations out synchronously); if the rank still cannot go on, the iteration
+# is closed as failed and the rank raises ``RankOutOfMemoryError`` naming its coordinates. The process
+# exits; torchrun sees a failed worker and stops the others, so the job ends instead of hanging in a
+# collective (spawned ranks: the parent must stop the rest, as ``torch.multiprocessing.spawn`` does).
+
+
+class RankOutOfMemoryError(torch.OutOfMemoryError):
+    """One rank of a multi-rank job ran out of device memory; the message names the rank's coordinates."""
+
+
+def coordinates_of(model_chunks: Sequence[nn.Module], process_groups: Any = None) -> RankCoordinates:
+    """The rank's place from Megatron's ``ProcessGroupCollection`` (its ``tp``, ``pp`` and ``dp`` groups), or
+    from ``parallel_state`` when None; ``vpp_size`` is the number of model chunks."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if process_groups is None:
+        if not parallel_state.model_parallel_is_initialized():
+            return RankCoordinates(rank=rank, world_size=world_size, vpp_size=len(model_chunks))
+        sizes = {
+            "tp": (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()),
+            "pp": (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()),
+            "dp": (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()),
+        }
+    else:
+        sizes = {}
+        for name in ("tp", "pp", "dp"):
+            group = getattr(process_groups, name, None)
+            sizes[name] = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    return RankCoordinates(
+        rank=rank, world_size=world_size, tp_rank=sizes["tp"][0], tp_size=sizes["tp"][1], pp_rank=sizes["pp"][0],
+        pp_size=sizes["pp"][1], dp_rank=sizes["dp"][0], dp_size=sizes["dp"][1], vpp_size=len(model_chunks),
+    )
+
+
+def _unwrapped(chunk: nn.Module) -> nn.Module:
+    """The model inside Megatron's wrappers (``DistributedDataParallel`` keeps its gradient buffers in an
+    attribute named ``buffers``, which hides ``nn.Module.buffers()``: the runtime attaches the inner model)."""
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def _gradient_buffers(model_chunks: Iterable[nn.Module]) -> list[torch.Tensor]:
+    """The contiguous buffers of Megatron's ``DistributedDataParallel`` chunks (gradients, and parameters
+    under the distributed optimizer)."""
+    found = []
+    for chunk in model_chunks:
+        if not isinstance(chunk, DistributedDataParallel):
+            continue
+        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+            found += [t for t in (buffer.grad_data, buffer.param_data) if t is not None]
+    return found
+
+
+def _workspaces() -> list[torch.Tensor]:
+    if not parallel_state.model_parallel_is_initialized():
+        return []
+    return list(parallel_state.get_global_memory_buffer().buffer.values())
+
+
+class MegatronChameleon(Chameleon):
+    """The rank's runtime (a ``Chameleon``) plus what a Megatron job needs: ``wrap`` for the schedule's
+    ``forward_backward_func``, ``watch_step`` for the optimizer, the rank's ``coordinates``, and ``close``.
+    Made by ``install``."""
+
+    def __init__(self, config: ChameleonConfig, coordinates: RankCoordinates, device: Device | None = None,
+                 process_groups: Any = None, cuda_literals_on_cpu: bool = False) -> None:
+        super().__init__(config, device=device, process_groups=process_groups, coordinates=coordinates)
+        self.tracker = ScheduleTracker(self.profiler.micro_batches, self.executor.protect_now)
+        self._patches: PatchSet = apply_patches(schedule_patches(self.tracker))
+        self._log_prefix = RankLogPrefix(coordinates)
+        self._cuda_literals_on_cpu = cuda_literals_on_cpu
+        self._open: contextlib.AbstractContextManager | None = None  # the iteration between the call and the step
+        self._steps_closing = False
+
+    def start(self) -> "MegatronChameleon":
+        self._log_prefix.install()
+        self._patches.apply()
+        return self
+
+    def close(self) -> None:
+        """Close an open iteration, take the schedule patches and the log prefix off (idempotent)."""
+        self._finish_open()
+        if self._patches.active:
+            self._patches.restore()
+        self._log_prefix.remove()
+
+    # ---- the iteration ----------------------------------------------------------------------
+    def wrap(self, forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward_backward_func`` (from ``get_forward_backward_func()``) as one iteration per call; same
+        arguments and result. A ``forward_only=True`` call (evaluation) is passed through untouched."""
+
+        @functools.wraps(forward_backward_func)
+        def forward_backward(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("forward_only", False):
+                return forward_backward_func(*args, **kwargs)
+            self._finish_open()  # the previous call's optimizer step never came
+            opened = self.iteration()
+            opened.__enter__()
+            self._open = opened
+            self.tracker.begin()
+            try:
+                with CudaLiteralsToCpu() if self._cuda_literals_on_cpu else contextlib.nullcontext():
+                    result = forward_backward_func(*args, **kwargs)
+            except Exception as exc:
+                self._raise_failed(exc)
+            finally:
+                self.tracker.end()
+            if not self._steps_closing:
+                self._finish_open()
+            return result
+
+        return forward_backward
+
+    def watch_step(self, optimizer: Any) -> Any:
+        """Make ``optimizer.step()`` (a torch or a Megatron optimizer) the end of the open iteration: it runs
+        inside it, marked as the optimizer's ops, and closes it. Returns ``optimizer``."""
+        original = optimizer.step
+
+        @functools.wraps(original)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self._open is None:
+                return original(*args, **kwargs)
+            try:
+                with self.optimizer_phase():
+                    result = original(*args, **kwargs)
+            except Exception as exc:
+                self._raise_failed(exc)
+            self._finish_open()
+            return result
+
+        optimizer.step = step
+        self._steps_closing = True
+        return optimizer
+
+    def _finish_open(self) -> None:
+        opened, self._open = self._open, None
+        if opened is not None:
+            opened.__exit__(None, None, None)
+
+    def _raise_failed(self, exc: Exception) -> None:
+        """Close the open iteration as failed and raise: a ``RankOutOfMemoryError`` naming this rank for an
+        out-of-memory error (NOTE [One rank cannot retry alone]), else ``exc`` itself, logged with the rank."""
+        opened, self._open = self._open, None
+        if opened is not None:
+            opened.__exit__(type(exc), exc, exc.__traceback__)  # the runtime records the failed iteration
+        iteration = self.last_report.iteration if self.last_report is not None else 0
+        if not isinstance(exc, torch.OutOfMemoryError):
+            logger.error("iteration %d failed: %s: %s", iteration, type(exc).__name__, exc)
+            raise exc
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        remedy = ("passive swap could not make room either; raise the device capacity (device.capacity, "
+                  "--chameleon-device-capacity), lower memory_budget, or lower min_swap_bytes"
+                  if self.config.enabled else
+                  "Chameleon is disabled on this rank (enabled: false); turn it on (--chameleon) or raise the "
+                  "device capacity (device.capacity, --chameleon-device-capacity)")
+        message = (f"out of memory in iteration {iteration} ({detail}). A rank of a multi-rank job cannot retry "
+                   f"an iteration alone (its peers already wait on its sends and collectives): this rank stops and "
+                   f"the launcher ends the others. {remedy}.")
+        logger.error("%s", message)  # (the log prefix names the rank)
+        raise RankOutOfMemoryError(f"{self.coordinates.label}: {message}") from exc
+
+
+def _config(config: ChameleonConfig | dict | str | argparse.Namespace | None) -> ChameleonConfig | dict | str | None:
+    return config_from_megatron_args(config) if isinstance(config, argparse.Namespace) else config
+
+
+def install(
+    model_chunks: nn.Module | Sequence[nn.Module],
+    config: ChameleonConfig | dict | str | argparse.Namespace | None = None,
+    process_groups: Any = None,
+    *,
+    optimizer: Any = None,
+    device: Device | None = None,
+    cuda_literals_on_cpu: bool = False,
+) -> MegatronChameleon:
+    """Install Chameleon on this rank and return its runtime.
+
+    Args:
+        model_chunks: the rank's model chunks as Megatron builds them (one per virtual pipeline stage),
+            plain or wrapped in Megatron's ``DistributedDataParallel`` / ``Float16Module``.
+        config: a ``ChameleonConfig``, dict, YAML/JSON path, None (defaults), or the parsed Megatron
+            arguments (``add_megatron_args``: ``--chameleon-config`` plus the ``--chameleon-*`` overrides).
+        process_groups: Megatron's ``ProcessGroupCollection`` (its ``tp``, ``pp``, ``dp`` groups), or None
+            to read ``parallel_state``. Only read: the runtime never creates a group or a collective.
+        optimizer: when given, its ``step()`` ends each iteration (``MegatronChameleon.watch_step``).
+        device: the device to meter and swap on (default: made from ``config.device``).
+        cuda_literals_on_cpu: run each schedule call under ``CudaLiteralsToCpu`` (megatron-core on a machine
+            without CUDA; with the CPU patches of ``cuda_on_cpu`` applied).
+
+    Raises:
+        ConfigError: the config cannot be meant as written, or a chunk does not fit the device.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    coordinates = coordinates_of(chunks, process_groups)
+    runtime = MegatronChameleon(_config(config), coordinates, device=device, process_groups=process_groups,
+                                cuda_literals_on_cpu=cuda_literals_on_cpu)
+    for buffer in _gradient_buffers(chunks):
+        track = getattr(runtime.device, "track", None)  # the emulated device counts what it did not see made
+        if track is not None:
+            track(buffer)
+    runtime.executor.protect(lambda: [*_gradient_buffers(chunks), *_workspaces()])
+    for chunk in chunks:
+        runtime.attach(_unwrapped(chunk))
+    if optimizer is not None:
+        runtime.watch_step(optimizer)
+    runtime.start()
+    logger.info("installed on %s (%d model chunk%s)", coordinates.label, len(chunks), "" if len(chunks) == 1 else "s")
+    return runtime
+
+
+@contextlib.contextmanager
+def installed(*args: Any, **kwargs: Any) -> Iterator[MegatronChameleon]:
+    """``install`` as a context manager: ``close`` on exit."""
+    runtime = install(*args, **kwargs)
+    try:
+        yield runtime
+    finally:
+        runtime.close()

@@ -1,0 +1,100 @@
+"""The per-rank report of a distributed launcher (``--report PATH``), one JSON shape for every engine.
+
+Each rank keeps a ``RankRecord``: its coordinates, its device capacity, and per iteration what its runtime's
+``IterationReport`` said (peak, swap-out bytes, stall, time, stage). At the end rank 0 gathers them and
+writes::
+
+    {"layout": {...}, "chameleon": {"enabled": ..., "config": {...}}, "losses": ["0x1.8p+2", ...],
+     "ranks": [{"rank": 0, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "capacity_bytes": ...,
+                "peak_device_bytes": ..., "iterations": [{"peak_device_bytes": ..., "swap_out_bytes": ...,
+                "stall_s": ..., "iteration_s": ..., "stage": "warmup"}, ...], "params_sha256": "..."}, ...]}
+
+Losses are exact (``float.hex``); ``params_sha256`` hashes the rank's final parameters in a fixed order, so
+two runs compare bit for bit without dumping weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def params_sha256(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of each parameter, in the order given."""
+    digest = hashlib.sha256()
+    for name, parameter in named_parameters:
+        value = parameter.detach().to("cpu").contiguous()
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class RankRecord:
+    coordinates: dict[str, int]
+    capacity_bytes: int
+    iterations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    params_sha256: str = ""
+    schedule: str = ""  # the micro-batch order of the last detailed trace ("F0 F1 B0 F2 ..."): see ``schedule_of``
+
+    def add(self, report: Any) -> dict[str, Any]:
+        """Record one iteration from the runtime's ``IterationReport``; returns the row."""
+        row = {
+            "peak_device_bytes": report.peak_device_bytes,
+            "swap_out_bytes": report.swap_out_bytes,
+            "stall_s": report.stall_s,
+            "iteration_s": report.iteration_s,
+            "stage": report.stage,
+            "passive_swaps": report.passive_swaps,
+        }
+        self.iterations.append(row)
+        return row
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.coordinates
+        return {
+            "rank": c["rank"], "tp_rank": c["tp_rank"], "pp_rank": c["pp_rank"], "dp_rank": c["dp_rank"],
+            "coordinates": c,
+            "capacity_bytes": self.capacity_bytes,
+            "peak_device_bytes": max((row["peak_device_bytes"] for row in self.iterations), default=0),
+            "iterations": self.iterations,
+            "params_sha256": self.params_sha256,
+            "schedule": self.schedule,
+        }
+
+
+def schedule_of(trace: Any) -> str:
+    """``F0 F1 B0 F2 B1 ...``: the forward and backward runs of a ``StepTrace`` with their micro-batch slots,
+    as the profiler recorded them ("" without a trace)."""
+    if trace is None:
+        return ""
+    return " ".join(f"{phase[0].upper()}{micro_batch}" for phase, micro_batch in trace.phase_runs())
+
+
+def gather(value: Any) -> list[Any]:
+    """``value`` from every rank, in rank order (a collective: every rank must call it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def write_report(path: str | Path, layout: dict[str, Any], chameleon: dict[str, Any], losses: list[float],
+                 ranks: list[dict[str, Any]]) -> Path:
+    """Write the report JSON (rank 0 only calls this, with every rank's ``RankRecord.to_dict()``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"layout": layout, "chameleon": chameleon, "losses": [float(x).hex() for x in losses], "ranks": ranks}
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    logger.info("report written to %s", path)
+    return path

@@ -1,0 +1,264 @@
+"""Train a megatron-core GPT on synthetic tokens under tensor, pipeline (optionally interleaved) and data
+parallelism, with Chameleon installed on every rank. Start it with torchrun::
+
+    torchrun --nproc-per-node 4 launch/train_megatron.py --tp 2 --pp 2 --iterations 10 \\
+        --chameleon-device-capacity 40MB --report runs/megatron_tp2pp2.json
+
+On a machine without CUDA it uses gloo, the opt-in CPU shims and one emulated device per rank (sized by
+``--chameleon-device-capacity``); with CUDA, NCCL and the real device. ``--no-chameleon`` still meters every
+rank (nothing is swapped, out of memory at the emulated capacity), so its report gives each rank's
+unswapped peak. Rank 0 prints one line per iteration and writes the ``--report`` JSON (launch/rank_report.py).
+Megatron stays the distributed engine: its own schedule, DDP and collectives run the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_report import RankRecord, gather, params_sha256, schedule_of, write_report  # noqa: E402
+
+from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args  # noqa: E402
+from chameleon_dist.models.shape import TransformerShape  # noqa: E402
+from chameleon_dist.units import format_bytes  # noqa: E402
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from chameleon_dist.integrations.megatron import gpt  # noqa: E402
+    from chameleon_dist.integrations.megatron.install import install  # noqa: E402
+
+logger = logging.getLogger("train_megatron")
+
+CPU_DEFAULT_CAPACITY = "8GB"
+"""The emulated device's capacity when neither --chameleon-device-capacity nor a config file gives one."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    layout = parser.add_argument_group("layout")
+    layout.add_argument("--tp", type=int, default=1, help="Tensor-parallel size.")
+    layout.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size.")
+    layout.add_argument("--vpp", type=int, default=1, help="Model chunks per pipeline stage (interleaved 1F1B when > 1).")
+    layout.add_argument("--micro-batches", type=int, default=4, help="Micro-batches per iteration.")
+    layout.add_argument("--micro-batch-size", type=int, default=2)
+    model = parser.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--hidden-size", type=int, default=64)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--seq-length", type=int, default=64)
+    model.add_argument("--vocab-size", type=int, default=128)
+    model.add_argument("--vary-seq-length", action="store_true",
+                       help="Change the sequence length every 3 iterations (full, 1/2, 3/4 of --seq-length).")
+    model.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                       help="Megatron's own activation recomputation (full: every layer, uniform, 1 layer per group).")
+    run = parser.add_argument_group("run")
+    run.add_argument("--iterations", type=int, default=10)
+    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument("--lr", type=float, default=3e-3)
+    run.add_argument("--report", default=None, metavar="PATH", help="Write the JSON report here (rank 0).")
+    run.add_argument("--fail-rank", type=int, default=None, metavar="RANK",
+                     help="Testing: this rank raises in the forward of --fail-iteration (the job must end, not hang).")
+    run.add_argument("--fail-iteration", type=int, default=2)
+    run.add_argument("--dist-timeout-s", type=float, default=300.0,
+                     help="Collective timeout: a backstop should a peer vanish without torchrun noticing.")
+    add_megatron_args(parser)
+    args = parser.parse_args(argv)
+    problems = []
+    for name in ("tp", "pp", "vpp", "micro_batches", "micro_batch_size", "num_layers", "iterations"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if args.vpp > 1 and args.pp < 2:
+        problems.append("--vpp > 1 needs --pp >= 2 (interleaving splits pipeline stages)")
+    if args.num_layers % (args.pp * args.vpp):
+        problems.append(f"--num-layers {args.num_layers} must be divisible by --pp x --vpp = {args.pp * args.vpp}")
+    if args.vpp > 1 and args.micro_batches % args.pp:
+        problems.append(f"interleaving needs --micro-batches divisible by --pp ({args.micro_batches} % {args.pp})")
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def seq_length_at(args: argparse.Namespace, iteration: int) -> int:
+    if not args.vary_seq_length:
+        return args.seq_length
+    fraction = (1.0, 0.5, 0.75)[(iteration // 3) % 3]
+    return max(8, int(args.seq_length * fraction) // 8 * 8)
+
+
+@contextlib.contextmanager
+def session(args: argparse.Namespace) -> Iterator[bool]:
+    """Process group and Megatron's model-parallel state; yields whether this is a CPU run."""
+    timeout = datetime.timedelta(seconds=args.dist_timeout_s)
+    vpp = args.vpp if args.vpp > 1 else None
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+        with gpt.megatron_cpu_session(args.seed, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                      virtual_pipeline_model_parallel_size=vpp):
+            yield True
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    from megatron.core import tensor_parallel
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", init_method="env://", timeout=timeout)
+    parallel_state.initialize_model_parallel(args.tp, args.pp, virtual_pipeline_model_parallel_size=vpp)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    try:
+        yield False
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def build_chunks(args: argparse.Namespace, shape: TransformerShape, on_cpu: bool) -> list[torch.nn.Module]:
+    overrides: dict[str, Any] = {}
+    if args.recompute == "full":
+        overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    elif args.recompute == "selective":
+        overrides = {"recompute_granularity": "selective"}
+    if not on_cpu:
+        overrides.update(use_cpu_initialization=False)
+    stages = [None] if args.vpp == 1 else list(range(args.vpp))
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for vp_stage in stages:
+        chunk = gpt.build_gpt(shape, seed=args.seed + 1000 * pp_rank + (vp_stage or 0), vp_stage=vp_stage,
+                              gpt_kwargs={"share_embeddings_and_output_weights": False}, **overrides)
+        chunks.append(chunk if on_cpu else chunk.cuda())
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=False)
+    return [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)]
+
+
+def batches_for(args: argparse.Namespace, iteration: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    shape = shape_for(args, seq_length_at(args, iteration))
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    first = (iteration * dp_size + dp_rank) * args.micro_batches
+    return [{k: v.to(device) for k, v in gpt.synthetic_batch(shape, first + i, args.seed).items()}
+            for i in range(args.micro_batches)]
+
+
+def shape_for(args: argparse.Namespace, seq_length: int) -> TransformerShape:
+    return TransformerShape(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                            vocab_size=args.vocab_size, seq_length=seq_length, micro_batch_size=args.micro_batch_size)
+
+
+def loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = (per_token.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides the returned loss in place
+
+
+def forward_step(fail: bool, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    batch = next(data_iterator)
+    if fail:
+        raise RuntimeError("--fail-rank: this rank raises in its forward step, as a crashing rank would")
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def chameleon_config(args: argparse.Namespace, on_cpu: bool):
+    if on_cpu and args.chameleon_device_capacity is None and args.chameleon_config is None:
+        args.chameleon_device_capacity = CPU_DEFAULT_CAPACITY
+    return config_from_megatron_args(args)
+
+
+def train(args: argparse.Namespace) -> None:
+    with session(args) as on_cpu:
+        device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+        shape = shape_for(args, args.seq_length)
+        chunks = build_chunks(args, shape, on_cpu)
+        config = chunks[0].config
+        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        parameters = [p for chunk in chunks for p in chunk.parameters()]
+        optimizer = torch.optim.Adam(parameters, lr=args.lr)
+        chameleon = install(chunks, chameleon_config(args, on_cpu), optimizer=optimizer, cuda_literals_on_cpu=on_cpu)
+        coordinates = chameleon.coordinates
+        record = RankRecord(coordinates.to_dict(), chameleon.device.capacity_bytes)
+        forward_backward = chameleon.wrap(get_forward_backward_func())
+        last_stage = parallel_state.is_pipeline_last_stage()
+        losses: list[float] = []
+        for iteration in range(args.iterations):
+            batches = batches_for(args, iteration, device)
+            iterators = [iter(batches) for _ in chunks]
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad(set_to_none=True)
+            fail = args.fail_rank == coordinates.rank and args.fail_iteration == iteration + 1
+            reduced = forward_backward(
+                forward_step_func=functools.partial(forward_step, fail), data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=args.micro_batches,
+                seq_length=seq_length_at(args, iteration), micro_batch_size=args.micro_batch_size, forward_only=False,
+            )
+            for p in parameters:
+                p.grad = p.main_grad
+            optimizer.step()  # closes the iteration (install(optimizer=...))
+            row = record.add(chameleon.last_report)
+            loss = sum(float(d["lm loss"]) for d in reduced) / len(reduced) if last_stage and reduced else None
+            progress(args, iteration, loss, row, gather((coordinates.pp_rank, coordinates.tp_rank, coordinates.dp_rank, loss, row)),
+                     record.capacity_bytes, losses)
+        record.schedule = schedule_of(chameleon.last_trace)
+        record.params_sha256 = params_sha256((f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters())
+        records = gather(record.to_dict())
+        chameleon.close()
+        if coordinates.rank == 0 and args.report:
+            layout = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "dp": coordinates.dp_size,
+                      "world_size": coordinates.world_size, "micro_batches": args.micro_batches,
+                      "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
+                      "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
+                      "vary_seq_length": args.vary_seq_length, "iterations": args.iterations, "seed": args.seed}
+            settings = {"enabled": chameleon.config.enabled, "config": chameleon.config.model_dump(mode="json")}
+            write_report(args.report, layout, settings, losses, records)
+
+
+def progress(args, iteration, loss, row, everyone, capacity_bytes, losses) -> None:
+    """Rank 0: one line per iteration; ``losses`` gets the iteration's loss (mean over data-parallel ranks)."""
+    finals = [entry[3] for entry in everyone if entry[3] is not None and entry[1] == 0]
+    value = sum(finals) / len(finals) if finals else float("nan")
+    losses.append(value)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    stages = {}
+    for pp_rank, _tp, _dp, _loss, r in everyone:
+        stages.setdefault(pp_rank, r["stage"])
+    peak = max(entry[4]["peak_device_bytes"] for entry in everyone)
+    stall = max(entry[4]["stall_s"] for entry in everyone)
+    logger.info("iteration %d/%d  loss %.4f  stage %s  max peak %s of %s  stall %.3fs", iteration + 1, args.iterations,
+                value, " ".join(f"pp{k}:{v}" for k, v in sorted(stages.items())), format_bytes(peak),
+                format_bytes(capacity_bytes), stall)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("chameleon_dist").setLevel(logging.WARNING)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    torch.use_deterministic_algorithms(True)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Runs several multi-rank ``launch/train_megatron.py`` jobs in a row, for the tests.
+
+    python tests/megatron_batch.py RUNS.json RESULTS.json
+
+Each run in RUNS.json is ``{"name", "world_size", "argv", "timeout_s"}``. The point is time: importing
+torch and megatron-core takes ~10 s per process on a 2-core machine, so torchrun would spend most of a test
+run starting processes. This process imports the launcher once, while it has no threads, and then forks
+``world_size`` ranks per run with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). It also does what torchrun does when a worker fails: the moment one rank exits non-zero, the
+others are terminated (SIGTERM, then SIGKILL after 10 s), so a failed rank ends its job instead of hanging
+it. A run that exceeds its ``timeout_s`` is killed and reported as timed out.
+
+RESULTS.json holds per run: ``returncodes`` (per rank; negative: killed by that signal), ``timed_out``,
+``elapsed_s``, ``report`` (the ``--report`` JSON when written) and ``logs`` (the last lines of each rank's
+output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "launch"))
+
+import train_megatron  # noqa: E402  (imported once, before any fork)
+
+GRACE_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank(rank: int, world_size: int, port: int, argv: list[str], log: Path) -> None:
+    """In the forked child: torchrun's environment, output to ``log``, then the launcher's main."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 0
+    try:
+        train_megatron.main(argv)
+    except BaseException:  # noqa: BLE001 - the child reports every failure through its exit code
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(spec: dict, workdir: Path) -> dict:
+    world_size, argv, name = int(spec["world_size"]), list(spec["argv"]), spec["name"]
+    port = _free_port()
+    logs = [workdir / f"{name}.rank{r}.log" for r in range(world_size)]
+    start = time.monotonic()
+    children: dict[int, int] = {}
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:
+            _rank(rank, world_size, port, argv, logs[rank])
+        children[pid] = rank
+    codes: dict[int, int] = {}
+    deadline = start + float(spec.get("timeout_s", 300))
+    stop_at = None  # when the survivors get SIGKILL after a failure
+    timed_out = False
+    while len(codes) < world_size:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[children[pid]] = os.waitstatus_to_exitcode(status)
+            if codes[children[pid]] != 0 and stop_at is None:
+                stop_at = time.monotonic() + GRACE_S
+                _signal([p for p, r in children.items() if r not in codes], signal.SIGTERM)
+            continue
+        now = time.monotonic()
+        if now > deadline and not timed_out:
+            timed_out = True
+            _signal([p for p, r in children.items() if r not in codes], signal.SIGKILL)
+        if stop_at is not None and now > stop_at:
+            _signal([p for p, r in children.items() if r not in codes], signal.SIGKILL)
+        time.sleep(0.05)
+    report_path = argv[argv.index("--report") + 1] if "--report" in argv else None
+    report = json.loads(Path(report_path).read_text()) if report_path and Path(report_path).exists() else None
+    return {
+        "name": name, "world_size": world_size, "argv": argv, "returncodes": [codes[r] for r in range(world_size)],
+        "timed_out": timed_out, "elapsed_s": time.monotonic() - start, "report": report,
+        "logs": [_tail(log) for log in logs],
+    }
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    """The end of a rank's output, without Python's warnings about missing optional packages."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(line for line in text.splitlines() if "warn" not in line.lower())[-chars:]
+
+
+def main(argv: list[str]) -> int:
+    runs = json.loads(Path(argv[0]).read_text())
+    out = Path(argv[1])
+    workdir = out.parent
+    results = []
+    for spec in runs:
+        results.append(run(spec, workdir))
+        out.write_text(json.dumps(results, indent=1))  # what finished so far, should a later run hang
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

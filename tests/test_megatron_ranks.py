@@ -1,0 +1,150 @@
+"""Multi-rank megatron-core jobs on CPU (gloo) through ``launch/train_megatron.py``: every layout trains
+bit-identically with Chameleon, within an emulated capacity at which the run without it runs out of memory.
+
+All jobs run once per session, in one batch (``tests/megatron_batch.py``: the launcher is imported once and
+each job's ranks are forked, as torchrun would start them); the tests below read the results. One test
+starts real torchrun to check that a failing rank ends the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["--iterations", "6", "--hidden-size", "64", "--seq-length", "128", "--micro-batch-size", "4",
+          "--micro-batches", "4", "--chameleon-min-swap-bytes", "16KiB"]
+UNLIMITED = "4GB"
+
+# name -> (world size, layout arguments, emulated capacity per rank: below the largest unswapped peak)
+LAYOUTS = {
+    "tp2": (2, ["--tp", "2"], "8MB"),
+    "pp2": (2, ["--pp", "2"], "10MB"),
+    "tp2pp2": (4, ["--tp", "2", "--pp", "2"], "9MB"),
+    "pp2vpp2": (2, ["--pp", "2", "--vpp", "2"], "12MB"),
+    "tp2dp2": (4, ["--tp", "2"], "9MB"),
+    "pp2-full-recompute": (2, ["--pp", "2", "--recompute", "full", "--num-layers", "8"], "10.6MB"),
+    "tp2-selective-recompute": (2, ["--tp", "2", "--recompute", "selective"], "8MB"),
+    "pp2-vary-seq-length": (2, ["--pp", "2", "--vary-seq-length"], "10MB"),
+}
+SIZES = {"MB": 10**6, "GB": 10**9}
+
+
+def _bytes(size: str) -> int:
+    return int(float(size[:-2]) * SIZES[size[-2:]])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    work = tmp_path_factory.mktemp("megatron")
+    runs = []
+    for name, (world_size, layout, capacity) in LAYOUTS.items():
+        for variant, extra in (
+            ("off", ["--no-chameleon", "--chameleon-device-capacity", UNLIMITED]),
+            ("on", ["--chameleon-device-capacity", capacity]),
+            ("oom", ["--no-chameleon", "--chameleon-device-capacity", capacity]),
+        ):
+            report = work / f"{name}-{variant}.json"
+            runs.append({"name": f"{name}-{variant}", "world_size": world_size, "timeout_s": 180,
+                         "argv": [*COMMON, *layout, *extra, "--report", str(report)]})
+    spec, out = work / "runs.json", work / "results.json"
+    spec.write_text(json.dumps(runs))
+    subprocess.run([sys.executable, str(REPO / "tests" / "megatron_batch.py"), str(spec), str(out)], check=True,
+                   timeout=1200, cwd=REPO)
+    return {r["name"]: r for r in json.loads(out.read_text())}
+
+
+def _completed(result: dict) -> dict:
+    assert result["returncodes"] == [0] * result["world_size"], "\n\n".join(result["logs"])
+    assert result["report"] is not None
+    return result["report"]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_trains_bit_identically_within_capacity(results, name):
+    world_size, _layout, capacity = LAYOUTS[name]
+    off, on = _completed(results[f"{name}-off"]), _completed(results[f"{name}-on"])
+    assert on["losses"] == off["losses"] and len(on["losses"]) == 6
+    assert all(loss != "nan" for loss in on["losses"])
+    assert [r["params_sha256"] for r in on["ranks"]] == [r["params_sha256"] for r in off["ranks"]]
+    unswapped = [r["peak_device_bytes"] for r in off["ranks"]]
+    assert max(unswapped) > _bytes(capacity), f"{capacity} is not below any rank's unswapped peak {unswapped}"
+    for rank in on["ranks"]:
+        assert rank["capacity_bytes"] == _bytes(capacity)
+        assert rank["peak_device_bytes"] <= rank["capacity_bytes"], rank
+    needed = [r for r, peak in zip(on["ranks"], unswapped) if peak > _bytes(capacity)]
+    assert needed and all(sum(it["swap_out_bytes"] for it in r["iterations"]) > 0 for r in needed)
+    assert on["chameleon"]["enabled"] is True and off["chameleon"]["enabled"] is False
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_without_chameleon_the_same_capacity_runs_out_of_memory(results, name):
+    result = results[f"{name}-oom"]
+    assert not result["timed_out"]
+    failed = [rank for rank, code in enumerate(result["returncodes"]) if code == 1]
+    assert failed, result["returncodes"]
+    log = result["logs"][failed[0]]
+    assert "RankOutOfMemoryError" in log and f"rank {failed[0]}/{result['world_size']} tp " in log, log
+    assert "Chameleon is disabled on this rank" in log
+    assert result["report"] is None  # the job ended: nobody wrote a report
+
+
+def test_report_holds_the_layout_and_every_rank(results):
+    report = _completed(results["tp2pp2-on"])
+    assert {k: report["layout"][k] for k in ("tp", "pp", "vpp", "dp", "world_size", "micro_batches", "recompute")} == {
+        "tp": 2, "pp": 2, "vpp": 1, "dp": 1, "world_size": 4, "micro_batches": 4, "recompute": "none"}
+    assert report["chameleon"]["config"]["device"]["capacity"] == _bytes("9MB")
+    assert all(float.fromhex(x) > 0 for x in report["losses"])
+    coordinates = sorted((r["rank"], r["tp_rank"], r["pp_rank"], r["dp_rank"]) for r in report["ranks"])
+    assert coordinates == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 0), (3, 1, 1, 0)]
+    for rank in report["ranks"]:
+        assert len(rank["iterations"]) == 6 and len(rank["params_sha256"]) == 64
+        assert {"peak_device_bytes", "swap_out_bytes", "stall_s", "iteration_s", "stage"} <= set(rank["iterations"][0])
+        assert rank["iterations"][0]["stage"] == "warmup" and rank["iterations"][-1]["stage"] in ("gen_policy", "stable")
+    dp = _completed(results["tp2dp2-on"])
+    assert dp["layout"]["dp"] == 2 and sorted(r["dp_rank"] for r in dp["ranks"]) == [0, 0, 1, 1]
+    # the data-parallel ranks train on different data: their losses alone would differ, their parameters not
+    assert len({r["params_sha256"] for r in dp["ranks"] if r["tp_rank"] == 0}) == 1
+
+
+def test_micro_batches_are_named_by_the_schedule(results):
+    """1F1B: the first stage holds two micro-batches at once (F0 F1 B0 ...); guessing from forward/backward
+    turns would merge F0 and F1. Interleaved: slot = chunk * micro_batches + micro_batch."""
+    pp2 = {r["pp_rank"]: r["schedule"] for r in _completed(results["pp2-on"])["ranks"]}
+    assert pp2 == {0: "F0 F1 B0 F2 B1 F3 B2 B3", 1: "F0 B0 F1 B1 F2 B2 F3 B3"}
+    for rank in _completed(results["pp2vpp2-on"])["ranks"]:
+        runs = rank["schedule"].split()
+        assert sorted(runs) == sorted([f"F{s}" for s in range(8)] + [f"B{s}" for s in range(8)]), runs
+        assert all(runs.index(f"F{s}") < runs.index(f"B{s}") for s in range(8))
+    first_stage = {r["pp_rank"]: r["schedule"] for r in _completed(results["pp2vpp2-on"])["ranks"]}[0]
+    assert first_stage.startswith("F0 F1 F4 F5"), first_stage  # chunk 0's micro-batches 0, 1, then chunk 1's
+
+
+def test_sequence_length_changes_are_trained_through(results):
+    on, off = _completed(results["pp2-vary-seq-length-on"]), _completed(results["pp2-off"])
+    assert on["layout"]["vary_seq_length"] and on["losses"][:3] == off["losses"][:3]
+    assert on["losses"][3:] != off["losses"][3:]  # other lengths from iteration 4 on: other losses
+
+
+def test_a_failing_rank_ends_a_torchrun_job_in_bounded_time(tmp_path):
+    """Rank 1 raises inside its forward step of iteration 2 while rank 0 waits on it in the pipeline; the job
+    must end with rank 1's error, not hang in a collective."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc-per-node", "2", str(REPO / "launch" / "train_megatron.py"), "--pp", "2",
+               "--iterations", "4", "--fail-rank", "1", "--fail-iteration", "2", "--dist-timeout-s", "600"]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed_s = time.monotonic() - start
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "[rank 1/2 tp 0/1 pp 1/2 dp 0/1] iteration 2 failed: RuntimeError: --fail-rank" in output, output[-4000:]
+    assert elapsed_s < 180, elapsed_s  # far below the 600 s collective timeout: torchrun tore the job down
