@@ -144,15 +144,17 @@ class MegatronChameleon(Chameleon):
 
         @functools.wraps(forward_backward_func)
         def forward_backward(*args: Any, **kwargs: Any) -> Any:
+            literals = CudaLiteralsToCpu() if self._cuda_literals_on_cpu else contextlib.nullcontext()
             if kwargs.get("forward_only", False):
-                return forward_backward_func(*args, **kwargs)
+                with literals:
+                    return forward_backward_func(*args, **kwargs)
             self._finish_open()  # the previous call's optimizer step never came
             opened = self.iteration()
             opened.__enter__()
             self._open = opened
             self.tracker.begin()
             try:
-                with CudaLiteralsToCpu() if self._cuda_literals_on_cpu else contextlib.nullcontext():
+                with literals:
                     result = forward_backward_func(*args, **kwargs)
             except Exception as exc:
                 self._raise_failed(exc)
