@@ -119,6 +119,7 @@ def session(args: argparse.Namespace) -> Iterator[bool]:
         return
     from megatron.core import tensor_parallel
 
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, as use_deterministic_algorithms needs
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", init_method="env://", timeout=timeout)
     parallel_state.initialize_model_parallel(args.tp, args.pp, virtual_pipeline_model_parallel_size=vpp)

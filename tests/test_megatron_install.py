@@ -84,9 +84,10 @@ def test_each_call_is_one_iteration_closed_by_the_optimizer_step(session):
             assert chameleon.last_report.iteration == step + 1 and not chameleon.last_report.failed
             swapped.append(chameleon.last_report.swap_out_bytes)
         assert swapped[0] > 0  # WarmUp swapped
+        steps = chameleon.tracker.forward_steps
         with torch.no_grad():
-            _call(forward_backward, model, 9, forward_only=True)  # evaluation: no iteration
-        assert chameleon.last_report.iteration == 3
+            _call(forward_backward, model, 9, forward_only=True)  # evaluation: no iteration, steps not followed
+        assert chameleon.last_report.iteration == 3 and chameleon.tracker.forward_steps == steps == 6
     finally:
         chameleon.close()
 

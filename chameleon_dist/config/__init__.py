@@ -5,7 +5,7 @@ No framework is imported here (Megatron support is plain argparse).
 
 from chameleon_dist.config.errors import ConfigError
 from chameleon_dist.config.loaders import config_from_deepspeed, load_config, read_mapping
-from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args
+from chameleon_dist.config.megatron_args import add_megatron_args, chain_extra_args, config_from_megatron_args
 from chameleon_dist.config.schema import (
     KNOWN_PRESETS,
     ChameleonConfig,
@@ -27,6 +27,7 @@ __all__ = [
     "add_megatron_args",
     "config_from_deepspeed",
     "config_from_megatron_args",
+    "chain_extra_args",
     "format_size",
     "load_config",
     "parse_budget",

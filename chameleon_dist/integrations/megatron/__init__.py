@@ -1,7 +1,9 @@
 """Megatron-core integration.
 
-``cuda_on_cpu`` holds the CPU shims (patch definitions, imports no Megatron); ``gpt`` builds and trains a
-small ``GPTModel`` on CPU and imports Megatron-core, so its names are loaded on first use only.
+``install`` (``install.py``) puts a runtime on one rank of a Megatron job, driven by Megatron's own schedule
+(``schedule.py``: the patches that name each step's micro-batch). ``cuda_on_cpu`` holds the CPU shims
+(patch definitions, imports no Megatron); ``gpt`` builds a small ``GPTModel`` on CPU. The modules that import
+Megatron-core are loaded on first use only.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from typing import Any
 
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES, CudaLiteralsToCpu
 
-_LAZY_FROM_GPT = ("build_gpt", "gpt_loss", "megatron_cpu_session", "synthetic_batch", "CpuSession")
+_LAZY = {
+    **dict.fromkeys(("build_gpt", "gpt_loss", "megatron_cpu_session", "synthetic_batch", "CpuSession"), "gpt"),
+    **dict.fromkeys(("install", "installed", "MegatronChameleon", "RankOutOfMemoryError"), "install"),
+}
 
-__all__ = ["CPU_PATCHES", "CudaLiteralsToCpu", *_LAZY_FROM_GPT]
+__all__ = ["CPU_PATCHES", "CudaLiteralsToCpu", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_FROM_GPT:
-        return getattr(importlib.import_module("chameleon_dist.integrations.megatron.gpt"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"chameleon_dist.integrations.megatron.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,8 +40,9 @@ _MEGATRON_VERSIONS = ">=0.16,<0.17"
 class ScheduleTracker:
     """Turns the schedule's forward and backward steps into micro-batch slots on ``clock`` and protects the
     workspaces Megatron hands out (``protect_now``). ``begin``/``end`` bracket one ``forward_backward_func``
-    call; the counts say how many steps were seen and how many backward steps could not be matched to
-    their forward (then the clock keeps the last slot, and a warning is logged once)."""
+    call (outside, e.g. in an evaluation call with ``forward_only=True``, the steps are not followed); the
+    counts say how many steps were seen and how many backward steps could not be matched to their forward
+    (then the clock keeps the last slot, and a warning is logged once)."""
 
     def __init__(self, clock: MicroBatchClock, protect_now: Callable[[torch.Tensor], None]) -> None:
         self.clock = clock
@@ -51,14 +52,17 @@ class ScheduleTracker:
         self.forward_steps = 0
         self.backward_steps = 0
         self.unmatched_backward_steps = 0
+        self.following = False
         self._warned = False
 
     def begin(self) -> None:
         self._outputs.clear()
         self._forwards_per_chunk.clear()
+        self.following = True
 
     def end(self) -> None:
-        self._outputs.clear()  # (forward-only calls leave outputs no backward took)
+        self.following = False
+        self._outputs.clear()
 
     def on_forward(self, micro_batch: int | None, chunk: int | None, num_microbatches: int | None) -> int:
         """A forward step begins; returns its slot (also entered on the clock)."""
@@ -93,6 +97,8 @@ def _forward_step_replacement(original: Any, tracker: ScheduleTracker) -> Any:
 
     @functools.wraps(original)
     def forward_step(*args: Any, **kwargs: Any) -> Any:
+        if not tracker.following:
+            return original(*args, **kwargs)
         given = signature.bind_partial(*args, **kwargs).arguments
         slot = tracker.on_forward(given.get("current_microbatch"), given.get("vp_stage"), given.get("num_microbatches"))
         result = original(*args, **kwargs)
@@ -105,7 +111,8 @@ def _forward_step_replacement(original: Any, tracker: ScheduleTracker) -> Any:
 def _backward_step_replacement(original: Any, tracker: ScheduleTracker) -> Any:
     @functools.wraps(original)
     def backward_step(input_tensor: Any, output_tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        tracker.on_backward(output_tensor)
+        if tracker.following:
+            tracker.on_backward(output_tensor)
         return original(input_tensor, output_tensor, *args, **kwargs)
 
     return backward_step
