@@ -55,6 +55,7 @@ class RankRecord:
             "iteration_s": report.iteration_s,
             "stage": report.stage,
             "passive_swaps": report.passive_swaps,
+            "sequence_change_kind": report.sequence_change_kind,
         }
         self.iterations.append(row)
         return row

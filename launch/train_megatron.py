@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="Change the sequence length every 3 iterations (full, 1/2, 3/4 of --seq-length).")
     model.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
                        help="Megatron's own activation recomputation (full: every layer, uniform, 1 layer per group).")
+    model.add_argument("--num-experts", type=int, default=0,
+                       help="Experts per MLP (mixture of experts, token dispatcher allgather); 0: dense MLPs.")
+    model.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to (with --num-experts).")
     run = parser.add_argument_group("run")
     run.add_argument("--iterations", type=int, default=10)
     run.add_argument("--seed", type=int, default=1234)
@@ -84,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("tp", "pp", "vpp", "micro_batches", "micro_batch_size", "num_layers", "iterations"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_experts < 0 or (args.num_experts and not 1 <= args.moe_router_topk <= args.num_experts):
+        problems.append(f"--num-experts {args.num_experts} must be >= 0 and --moe-router-topk {args.moe_router_topk} "
+                        "between 1 and --num-experts")
     if args.vpp > 1 and args.pp < 2:
         problems.append("--vpp > 1 needs --pp >= 2 (interleaving splits pipeline stages)")
     if args.num_layers % (args.pp * args.vpp):
@@ -139,6 +145,9 @@ def build_chunks(args: argparse.Namespace, shape: TransformerShape, on_cpu: bool
         overrides = {"recompute_granularity": "selective"}
     if not on_cpu:
         overrides.update(use_cpu_initialization=False)
+    if args.num_experts:
+        overrides.update(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                         moe_router_pre_softmax=args.moe_router_topk == 1)  # Megatron requires it for top-1
     stages = [None] if args.vpp == 1 else list(range(args.vpp))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []

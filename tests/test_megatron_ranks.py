@@ -34,6 +34,7 @@ LAYOUTS = {
     "pp2-full-recompute": (2, ["--pp", "2", "--recompute", "full", "--num-layers", "8"], "10.6MB"),
     "tp2-selective-recompute": (2, ["--tp", "2", "--recompute", "selective"], "8MB"),
     "pp2-vary-seq-length": (2, ["--pp", "2", "--vary-seq-length"], "10MB"),
+    "pp2-moe": (2, ["--pp", "2", "--num-experts", "4"], "15MB"),  # unswapped peaks 30.4MB / 18.7MB; 13MB runs out
 }
 SIZES = {"MB": 10**6, "GB": 10**9}
 
@@ -132,6 +133,20 @@ def test_sequence_length_changes_are_trained_through(results):
     on, off = _completed(results["pp2-vary-seq-length-on"]), _completed(results["pp2-off"])
     assert on["layout"]["vary_seq_length"] and on["losses"][:3] == off["losses"][:3]
     assert on["losses"][3:] != off["losses"][3:]  # other lengths from iteration 4 on: other losses
+
+
+def test_routing_changes_what_each_iteration_holds(results):
+    """Tokens per expert follow the router's weights, which change every step: the unswapped peak and the sizes
+    saved for backward move from iteration to iteration (the profiler absorbs it); dense layers repeat exactly."""
+    moe_off, dense_off = _completed(results["pp2-moe-off"]), _completed(results["pp2-off"])
+    for rank in moe_off["ranks"]:
+        assert len({it["peak_device_bytes"] for it in rank["iterations"][1:]}) > 1, rank["iterations"]
+    for rank in dense_off["ranks"]:
+        assert len({it["peak_device_bytes"] for it in rank["iterations"][1:]}) == 1, rank["iterations"]
+    kinds = {name: [[it["sequence_change_kind"] for it in r["iterations"][2:]] for r in _completed(results[name])["ranks"]]
+             for name in ("pp2-moe-on", "pp2-on")}
+    assert all(kind in ("absorbed", "rerouted") for rank in kinds["pp2-moe-on"] for kind in rank), kinds
+    assert all(kind == "identical" for rank in kinds["pp2-on"] for kind in rank), kinds
 
 
 def test_a_failing_rank_ends_a_torchrun_job_in_bounded_time(tmp_path):

@@ -65,6 +65,22 @@ def _make_default_causal_mask(original: Any) -> Any:
     return get_default_causal_mask
 
 
+def _make_router_gating_linear(original: Any) -> Any:
+    def router_gating_linear(
+        inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Router logits from plain torch ops, autograd included (installed by chameleon-dist)."""
+        rows = inp.reshape(-1, inp.shape[-1]).to(router_dtype)
+        transposed = weight.to(router_dtype).t()
+        if bias is None:
+            logits = torch.mm(rows, transposed)
+        else:
+            logits = torch.addmm(bias.to(router_dtype), rows, transposed)
+        return logits.view(*inp.shape[:-1], logits.shape[-1])
+
+    return router_gating_linear
+
+
 CURRENT_DEVICE_IS_CPU = Patch(
     name="cuda-current-device-is-cpu",
     target="torch.cuda:current_device",
@@ -119,11 +135,29 @@ MEGATRON_CAUSAL_MASK_ON_CPU = Patch(
     make_replacement=_make_default_causal_mask,
 )
 
+MEGATRON_ROUTER_GATING_LINEAR_ON_CPU = Patch(
+    name="megatron-router-gating-linear-on-cpu",
+    target="megatron.core.transformer.moe.router:router_gating_linear",
+    package="megatron-core",
+    versions=_MEGATRON_VERSIONS,
+    why=(
+        "The MoE router computes its logits through an autograd Function in moe_utils whose forward and "
+        "backward test the name te_general_gemm, bound only when Transformer Engine imports; without it "
+        "every MoE forward raises NameError. The replacement (for the name router.py imported) is a matmul "
+        "on the 2-D view of the input in the router dtype, differentiated by autograd; it saves the "
+        "router-dtype copies for backward where upstream saves the originals (the same tensors in fp32)."
+    ),
+    remove_when="Megatron-core binds te_general_gemm (to None) when Transformer Engine is missing",
+    fingerprint="0f5202718b1c7c59",
+    make_replacement=_make_router_gating_linear,
+)
+
 CPU_PATCHES: tuple[Patch, ...] = (
     CURRENT_DEVICE_IS_CPU,
     MEGATRON_RNG_GET_IS_CPU,
     MEGATRON_RNG_SET_IS_CPU,
     MEGATRON_CAUSAL_MASK_ON_CPU,
+    MEGATRON_ROUTER_GATING_LINEAR_ON_CPU,
 )
 
 

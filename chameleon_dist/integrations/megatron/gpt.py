@@ -44,6 +44,17 @@ logger = logging.getLogger(__name__)
 
 _DROPOUT_FIELDS = ("hidden_dropout", "attention_dropout")
 
+MOE_CPU_SETTINGS: dict[str, Any] = {
+    "moe_router_topk": 2,
+    "moe_aux_loss_coeff": 1e-2,
+    "add_bias_linear": False,  # the local MoE spec has no bias path in its experts
+    "moe_token_dispatcher_type": "allgather",
+    "moe_grouped_gemm": False,  # grouped GEMM needs Transformer Engine
+    "moe_permute_fusion": False,
+    "moe_router_fusion": False,
+}
+"""TransformerConfig fields ``build_gpt(num_experts=...)`` sets for a CPU MoE (overrides still win)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class CpuSession:
@@ -162,6 +173,7 @@ def build_gpt(
     *,
     gpt_kwargs: Mapping[str, Any] | None = None,
     vp_stage: int | None = None,
+    num_experts: int | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
     """Build a ``GPTModel`` (local layer spec, fp32, no fusions) inside a :func:`megatron_cpu_session`.
@@ -170,9 +182,15 @@ def build_gpt(
     parameters. The caller's CPU RNG state is left untouched. ``config_overrides`` go to the
     ``TransformerConfig`` (e.g. ``recompute_granularity="full"``), ``gpt_kwargs`` to ``GPTModel``. Under
     interleaving, build one chunk per ``vp_stage`` (0 .. vpp-1).
+
+    ``num_experts`` makes every MLP a mixture of experts (local MoE layer spec, no grouped GEMM) and sets
+    :data:`MOE_CPU_SETTINGS` in the config, under ``config_overrides`` (e.g. ``moe_router_topk=1``).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_gpt needs Megatron's model-parallel state: enter megatron_cpu_session() first")
+    layer_spec = _layer_spec(num_experts, config_overrides)
+    if num_experts is not None:
+        config_overrides = {**MOE_CPU_SETTINGS, "num_moe_experts": num_experts, **config_overrides}
     config = transformer_config(shape, **config_overrides)
     interleaved = vp_stage is not None
     kwargs: dict[str, Any] = {
@@ -186,12 +204,26 @@ def build_gpt(
         torch.manual_seed(seed)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=layer_spec,
             vocab_size=shape.vocab_size,
             max_sequence_length=shape.seq_length,
             **kwargs,
         )
     return model
+
+
+def _layer_spec(num_experts: int | None, config_overrides: Mapping[str, Any]) -> Any:
+    """The local layer spec: dense, or with ``num_experts`` experts per MLP."""
+    if "num_moe_experts" in config_overrides:
+        raise ValueError("pass num_experts= to build_gpt instead of the num_moe_experts override: it also "
+                         "selects the MoE layer spec")
+    if num_experts is None:
+        return get_gpt_layer_local_spec()
+    if num_experts < 1:
+        raise ValueError(f"num_experts={num_experts} must be >= 1 (or None for dense MLPs)")
+    if config_overrides.get("moe_grouped_gemm", False):
+        raise ValueError("moe_grouped_gemm=True needs Transformer Engine's grouped GEMM; leave moe_grouped_gemm=False")
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
 
 
 def synthetic_batch(shape: TransformerShape, step: int, seed: int) -> dict[str, torch.Tensor]:
