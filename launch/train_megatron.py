@@ -49,6 +49,10 @@ logger = logging.getLogger("train_megatron")
 CPU_DEFAULT_CAPACITY = "8GB"
 """The emulated device's capacity when neither --chameleon-device-capacity nor a config file gives one."""
 
+CPU_DEFAULT_MIN_SWAP = "16KiB"
+"""``min_swap_bytes`` on CPU when neither --chameleon-min-swap-bytes nor a config file gives one: the toy
+model's activations are tens of KiB, below the 1 MiB default meant for real models."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
@@ -57,12 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     layout.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size.")
     layout.add_argument("--vpp", type=int, default=1, help="Model chunks per pipeline stage (interleaved 1F1B when > 1).")
     layout.add_argument("--micro-batches", type=int, default=4, help="Micro-batches per iteration.")
-    layout.add_argument("--micro-batch-size", type=int, default=2)
+    layout.add_argument("--micro-batch-size", type=int, default=4)
     model = parser.add_argument_group("model")
     model.add_argument("--num-layers", type=int, default=4)
     model.add_argument("--hidden-size", type=int, default=64)
     model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--seq-length", type=int, default=64)
+    model.add_argument("--seq-length", type=int, default=128)
     model.add_argument("--vocab-size", type=int, default=128)
     model.add_argument("--vary-seq-length", action="store_true",
                        help="Change the sequence length every 3 iterations (full, 1/2, 3/4 of --seq-length).")
@@ -187,8 +191,12 @@ def forward_step(fail: bool, data_iterator: Iterator[dict[str, torch.Tensor]], m
 
 
 def chameleon_config(args: argparse.Namespace, on_cpu: bool):
-    if on_cpu and args.chameleon_device_capacity is None and args.chameleon_config is None:
-        args.chameleon_device_capacity = CPU_DEFAULT_CAPACITY
+    """The config the flags give; on CPU without a config file, the emulated device's defaults above."""
+    if on_cpu and args.chameleon_config is None:
+        if args.chameleon_device_capacity is None:
+            args.chameleon_device_capacity = CPU_DEFAULT_CAPACITY
+        if args.chameleon_min_swap_bytes is None:
+            args.chameleon_min_swap_bytes = CPU_DEFAULT_MIN_SWAP
     return config_from_megatron_args(args)
 
 
@@ -236,7 +244,8 @@ def train(args: argparse.Namespace) -> None:
                       "world_size": coordinates.world_size, "micro_batches": args.micro_batches,
                       "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
                       "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
-                      "vary_seq_length": args.vary_seq_length, "iterations": args.iterations, "seed": args.seed}
+                      "vary_seq_length": args.vary_seq_length, "iterations": args.iterations, "seed": args.seed,
+                      "num_experts": args.num_experts}
             settings = {"enabled": chameleon.config.enabled, "config": chameleon.config.model_dump(mode="json")}
             write_report(args.report, layout, settings, losses, records)
 

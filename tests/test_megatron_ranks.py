@@ -163,3 +163,24 @@ def test_a_failing_rank_ends_a_torchrun_job_in_bounded_time(tmp_path):
     output = done.stdout + done.stderr
     assert "[rank 1/2 tp 0/1 pp 1/2 dp 0/1] iteration 2 failed: RuntimeError: --fail-rank" in output, output[-4000:]
     assert elapsed_s < 180, elapsed_s  # far below the 600 s collective timeout: torchrun tore the job down
+
+
+def test_the_readme_commands_are_the_tested_layouts():
+    """The README's torchrun lines run exactly what these tests run (with the launcher's defaults for the
+    model size; the tests only ask for fewer iterations)."""
+    sys.path.insert(0, str(REPO / "launch"))
+    import train_megatron
+
+    readme = (REPO / "README.md").read_text().split("### The launcher: `launch/train_megatron.py`", 1)[1]
+    commands = [line.split("#")[0].split() for line in readme.splitlines()
+                if line.startswith(".venv/bin/torchrun") and "--chameleon-device-capacity" in line]
+    assert len(commands) == len(LAYOUTS)
+    tested = {(world, tuple([*layout, "--chameleon-device-capacity", capacity])) for world, layout, capacity in LAYOUTS.values()}
+    for command in commands:
+        world = int(command[command.index("--nproc-per-node") + 1])
+        assert (world, tuple(command[command.index("launch/train_megatron.py") + 1:])) in tested, command
+    defaults, common = vars(train_megatron.parse_args([])), vars(train_megatron.parse_args(COMMON))
+    differ = {k for k in defaults if defaults[k] != common[k]}
+    assert differ == {"iterations", "chameleon_min_swap_bytes"}, differ
+    assert common["chameleon_min_swap_bytes"] == train_megatron.CPU_DEFAULT_MIN_SWAP
+
