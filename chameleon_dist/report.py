@@ -73,6 +73,7 @@ class IterationReport:
     tightened_in_place: bool = False  # see above
     failed: bool = False  # the iteration raised (``error``): nothing after the failing op happened
     error: str = ""  # the exception's type and first line, for a failed iteration
+    evicted_prefetches: int = 0  # prefetched swap-ins given back under memory pressure (fetched again on use)
     rank: str = ""  # the rank's coordinates in a distributed job (``RankCoordinates.label``); "" alone
 
     def to_dict(self) -> dict[str, Any]:

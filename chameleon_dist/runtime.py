@@ -444,6 +444,7 @@ class Chameleon:
             oom_retries=running.oom_retries,
             emulated=self.device.emulated,
             pressure_waits=counters.pressure_waits,
+            evicted_prefetches=counters.evicted_prefetches,
             policy="" if policy is None else policy.name,
             matched_exact=counters.matches.exact,
             matched_fuzzy=counters.matches.fuzzy,

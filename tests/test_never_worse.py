@@ -104,3 +104,50 @@ def test_a_tensor_unpacked_twice_is_restored_once():
         z.backward()
     report = chameleon.last_report
     assert report.swap_in_bytes == report.swap_out_bytes > 0
+
+
+class _NeedsScratch(torch.autograd.Function):
+    """Identity forward whose backward needs a large scratch buffer, as softmax's backward does."""
+
+    @staticmethod
+    def forward(ctx, x, scratch_bytes):
+        ctx.scratch_bytes = scratch_bytes
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.empty(ctx.scratch_bytes, dtype=torch.uint8).fill_(1)
+        return grad + 0, None
+
+
+def _chain_gradient(device, prefetch_depth):
+    """Six 1 MiB ``exp`` outputs, all swapped; backward prefetches ``prefetch_depth`` of them ahead and then
+    needs a 3 MiB scratch buffer."""
+    from chameleon_dist.executor import IterationContext, SwapExecutor
+
+    executor = SwapExecutor(device, min_swap_bytes=0, prefetch_depth=prefetch_depth)
+    device.set_pressure_handler(executor.relieve_pressure)
+    x0 = torch.randn(2**18, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    device.track(x0)
+    with device.active(), executor.active(IterationContext()) as counters:
+        x = x0
+        for i in range(6):
+            x = (x * 0.5).exp()
+            if i == 4:
+                x = _NeedsScratch.apply(x, 3 * 2**20)
+        x.sum().backward()
+    return x0.grad, counters
+
+
+@pytest.mark.parametrize("link_bytes_per_s", [None, 200e6], ids=["instant-link", "slow-link"])
+def test_prefetching_ahead_never_costs_an_out_of_memory_error(link_bytes_per_s):
+    """Prefetched swap-ins hold device memory before backward needs them. Under pressure they go back (their
+    host copies are still there) instead of failing a capacity at which the run without prefetching fits:
+    in a multi-rank job there is no retry to fall back on."""
+    def device():
+        return EmulatedDevice(8 * 2**20, h2d_bytes_per_s=link_bytes_per_s, d2h_bytes_per_s=link_bytes_per_s)
+
+    without_prefetch, _ = _chain_gradient(device(), prefetch_depth=0)
+    with_prefetch, counters = _chain_gradient(device(), prefetch_depth=5)
+    assert torch.equal(without_prefetch, with_prefetch)
+    assert counters.prefetched > 0 and counters.evicted_prefetches > 0

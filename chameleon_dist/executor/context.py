@@ -87,6 +87,7 @@ class SwapCounters:
     passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure
     passive_swaps: int = 0
     pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs alone
+    evicted_prefetches: int = 0  # unused swap-ins given back under memory pressure (NOTE [Relief under pressure])
     matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
     delayed_swap_outs: int = 0  # swap-outs a policy placed after the save (issued at their op)
     late_swap_outs: int = 0  # ... whose op never came: issued when backward began (NOTE [Placed swaps])

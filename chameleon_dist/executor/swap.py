@@ -8,8 +8,8 @@ policy matches leave the device (see NOTE [Save-site matching] in ``matching.py`
 sequence length, batch size or expert load applies to another), each at the ops the policy placed its
 swap-out, release and swap-in (NOTE [Placed swaps] in schedule.py), or, when the policy says so, rebuilt
 from its producer's inputs (NOTE [Per-tensor recompute] in recompute.py); one needed before its prefetch
-started is fetched on demand and counted. Under memory pressure the executor first lets in-flight swap-outs land,
-then swaps out idle kept tensors synchronously (passive swap).
+started is fetched on demand and counted. Under memory pressure the executor lets in-flight swap-outs land, gives
+back prefetches not used yet, then swaps out idle kept tensors synchronously (passive swap): ``pressure.py``.
 
 Never swapped: parameters and views of them, what ``protect`` names (engine buffers), tensors that are not
 plain dense device tensors, and anything packed while a backward pass runs (recompute inside backward).
@@ -31,6 +31,7 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
+from chameleon_dist.executor.pressure import PressureRelief
 from chameleon_dist.executor.recompute import ProducerLog, StorageHolders
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
 from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
@@ -46,7 +47,7 @@ TIGHTEN_FACTOR = 16
 _IDLE = IterationContext()
 
 
-class SwapExecutor:
+class SwapExecutor(PressureRelief):
     """Swaps the activations autograd saves to host memory and back, one iteration at a time.
 
     Inside ``with executor.active(context):`` every tensor autograd saves goes through the executor's
@@ -110,6 +111,7 @@ class SwapExecutor:
         self._holders = StorageHolders()  # what holds each storage, for recipe inputs
         self._producers = ProducerLog(self._holders.holder_of)  # recent forward ops, for per-tensor recomputation
         self.captures_producers = False  # the dispatch mode calls ``on_produced`` (the policy recomputes)
+        self._prefetching = False  # a swap-in ahead of its use is allocating (NOTE [Relief under pressure])
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
         # every tensor this attempt packed (kept or swapped): let go when the attempt is retried
         self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []
@@ -550,50 +552,13 @@ class SwapExecutor:
 
     def _prefetch(self, entry: SwapEntry) -> bool:
         """Start a swap-in ahead of its use; False (and nothing started) when the device has no room."""
+        self._prefetching = True
         try:
             self._swap_in(entry)
         except torch.OutOfMemoryError:
             logger.debug("prefetch skipped: no device memory for %s", format_bytes(entry.nbytes))
             return False
+        finally:
+            self._prefetching = False
         self.counters.prefetched += 1
         return True
-
-    # ---- memory pressure --------------------------------------------------------------------
-    def relieve_pressure(self, short_bytes: int) -> int:
-        """Before an out-of-memory error: release every held swap-out source and wait for the copies
-        (``release_all_sources`` + ``synchronize``); if that is not enough, swap out idle kept tensors
-        synchronously, best fit first (passive swap). Counts ``passive_swaps`` and ``pressure_waits``."""
-        before = self.device.live_bytes()
-        if self._placed.swap_outs:
-            self._issue_overdue(everything=True)
-        self.device.release_all_sources()
-        self.device.synchronize()
-        freed = max(before - self.device.live_bytes(), 0)
-        passive_swaps = self.counters.passive_swaps
-        if freed < short_bytes and self._kept:
-            freed += self._passive_swap(short_bytes - freed)
-        if self.counters.passive_swaps == passive_swaps and freed > 0:
-            self.counters.pressure_waits += 1
-        logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
-        return freed
-
-    def _passive_swap(self, short_bytes: int) -> int:
-        kept = [k for k in (ref() for ref in self._kept) if k is not None and k.swapped is None and k.tensor is not None]
-        # best fit: the smallest that covers the shortfall, then the largest ones
-        kept.sort(key=lambda k: (k.nbytes < short_bytes, k.nbytes if k.nbytes >= short_bytes else -k.nbytes))
-        freed = 0
-        for k in kept:
-            if freed >= short_bytes:
-                break
-            before = self.device.live_bytes()
-            entry = self._entry_for(k.tensor)
-            if entry is None:
-                break  # host budget full
-            entry.planned = False  # comes back on demand / with the fallback prefetch
-            k.swap_out(SwappedTensor(entry, k.tensor))
-            self.device.wait(entry.to_host)
-            self.device.release_all_sources()
-            self.counters.passive_swaps += 1
-            self.counters.passive_swap_bytes += entry.nbytes
-            freed += max(before - self.device.live_bytes(), 0)
-        return freed
