@@ -1,0 +1,119 @@
+"""``chameleon_dist.integrations.deepspeed.initialize`` on one rank (gloo): the drop-in for
+``deepspeed.initialize``, the ``"chameleon"`` block checked before DeepSpeed builds anything, one iteration
+per gradient-accumulation window, and losses and parameters bit-identical with and without swapping."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+deepspeed = pytest.importorskip("deepspeed")
+import torch.distributed as dist  # noqa: E402
+
+from chameleon_dist.config import ConfigError  # noqa: E402
+from chameleon_dist.integrations.deepspeed.engine import initialize  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
+
+VOCAB, HIDDEN, SEQ, BATCH = 64, 64, 32, 4
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(),
+                                                  nn.Linear(4 * HIDDEN, HIDDEN)) for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return F.cross_entropy(self.head(x).view(-1, VOCAB), labels.reshape(-1))
+
+
+def _config(stage: int, accumulation: int = 1, chameleon: dict | None = None) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        # DeepSpeed's default buckets (5e8 elements) would be 2 GB of device memory; the emulated device counts them
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000, "allgather_bucket_size": 50_000},
+        "steps_per_print": 10**9,
+    }
+    if chameleon is not None:
+        config["chameleon"] = chameleon
+    return config
+
+
+CHAMELEON = {"device": {"kind": "emulated", "capacity": "1GB"}, "min_swap_bytes": "4KiB"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 4-minute build of a CPU-only op
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    dist.destroy_process_group()
+
+
+def _train(config: dict, steps: int = 4, accumulation: int = 1):
+    torch.manual_seed(0)
+    engine, *_ = initialize(model=TinyGPT(), model_parameters=None, config=config)
+    losses, reports = [], []
+    for step in range(steps * accumulation):
+        generator = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+        if engine.chameleon is not None and engine.chameleon.last_report is not None:
+            reports.append(engine.chameleon.last_report)
+    full = deepspeed.utils.safe_get_full_fp32_param if config["zero_optimization"]["stage"] == 3 else (lambda p: p)
+    params = [full(p).detach().clone() for p in engine.module.parameters()]
+    assert all(p.numel() > 0 for p in params)
+    return engine, losses, params, reports
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_swap_is_bit_identical_under_zero(stage):
+    off_engine, off_losses, off_params, _ = _train(_config(stage))
+    on_engine, on_losses, on_params, reports = _train(_config(stage, chameleon=CHAMELEON))
+    assert off_engine.chameleon is None
+    assert on_engine.chameleon.last_report.iteration == 4 and reports[0].swap_out_bytes > 0  # WarmUp swapped
+    assert all(torch.equal(a, b) for a, b in zip(off_losses, on_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(off_params, on_params, strict=True))
+    on_engine.chameleon.close()
+
+
+def test_one_iteration_per_accumulation_window():
+    engine, losses, _, _ = _train(_config(1, accumulation=4, chameleon=CHAMELEON), steps=3, accumulation=4)
+    report = engine.chameleon.last_report
+    assert report.iteration == 3 and len(losses) == 12
+    trace = engine.chameleon.last_trace  # WarmUp: the four micro-batches of window 2, named 0..3
+    assert [mb for phase, mb in trace.phase_runs()] == [0, 0, 1, 1, 2, 2, 3, 3]
+    engine.chameleon.close()
+
+
+def test_a_bad_block_fails_before_deepspeed_builds_anything():
+    bad = _config(1, chameleon={"memory_budget": "lots", "unknown_key": 1, "device": {"kind": "emulated"}})
+    before = copy.deepcopy(bad)
+    with pytest.raises(ConfigError) as error:
+        initialize(model=TinyGPT(), config=bad)
+    message = str(error.value)
+    assert "chameleon.memory_budget" in message and "chameleon.unknown_key" in message
+    assert bad == before  # the dict DeepSpeed would hold is never changed
