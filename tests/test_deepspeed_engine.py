@@ -117,3 +117,55 @@ def test_a_bad_block_fails_before_deepspeed_builds_anything():
     message = str(error.value)
     assert "chameleon.memory_budget" in message and "chameleon.unknown_key" in message
     assert bad == before  # the dict DeepSpeed would hold is never changed
+
+
+def _pipeline_losses(chameleon: dict | None, batches: int = 4, micro_batches: int = 4):
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+
+        def forward(self, tokens):
+            return self.embed(tokens)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(), nn.Linear(4 * HIDDEN, HIDDEN))
+
+        def forward(self, x):
+            return x + self.mlp(x)
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+    torch.manual_seed(0)
+    model = PipelineModule([LayerSpec(Embed), LayerSpec(Block), LayerSpec(Block), LayerSpec(nn.Linear, HIDDEN, VOCAB)],
+                           num_stages=1, loss_fn=loss_fn, partition_method="uniform")
+    config = _config(1, accumulation=micro_batches, chameleon=chameleon)
+    engine, *_ = initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
+    losses, reports = [], []
+    for batch in range(batches):
+        data = []
+        for m in range(micro_batches):
+            tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(batch * 100 + m))
+            data.append((tokens[:, :-1], tokens[:, 1:]))
+        losses.append(engine.train_batch(iter(data)).detach().clone())
+        if engine.chameleon is not None:
+            reports.append(engine.chameleon.last_report)
+    evaluated = engine.eval_batch(iter(data))
+    return engine, losses, [p.detach().clone() for p in engine.module.parameters()], reports, evaluated
+
+
+def test_pipeline_engine_train_batch_is_one_iteration_and_bit_identical():
+    off_engine, off_losses, off_params, _, off_eval = _pipeline_losses(None)
+    on_engine, on_losses, on_params, reports, on_eval = _pipeline_losses(CHAMELEON)
+    assert [r.iteration for r in reports] == [1, 2, 3, 4] and reports[0].swap_out_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(off_losses, on_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(off_params, on_params, strict=True))
+    assert torch.equal(off_eval, on_eval) and on_engine.chameleon.last_report.iteration == 4  # eval: no iteration
+    runs = [mb for phase, mb in on_engine.chameleon.last_trace.phase_runs()]
+    assert runs == [0, 0, 1, 1, 2, 2, 3, 3], runs  # the k-th forward and backward: micro-batch k
+    on_engine.chameleon.close()

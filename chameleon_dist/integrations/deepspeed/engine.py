@@ -93,6 +93,53 @@ class DeepSpeedChameleon(Chameleon):
         engine.forward, engine.backward, engine.step = forwarding, backwarding, stepping
         return engine
 
+    def follow_pipeline(self, engine: Any) -> Any:
+        """For a ``PipelineEngine``: one ``train_batch`` is one iteration. ``_exec_schedule`` runs each instruction
+        through the class-level ``_INSTRUCTION_MAP``; the engine gets its own copy (an instance attribute, the
+        class is untouched) in which the k-th ``ForwardPass`` and the k-th ``BackwardPass`` of the batch name
+        micro-batch k (its ``buffer_id`` is a reused buffer, not the micro-batch) and ``OptimizerStep`` runs as
+        the optimizer's ops. ``eval_batch`` runs untouched."""
+        from deepspeed.runtime.pipe import schedule
+
+        clock = self.profiler.micro_batches
+
+        def counted(original: Any, backward: bool) -> Any:
+            def run(engine_self: Any, *args: Any, **kwargs: Any) -> Any:
+                if self._open is not None:
+                    slot = self._backwards if backward else self._forwards
+                    clock.enter(slot)
+                    if backward:
+                        self._backwards += 1
+                    else:
+                        self._forwards += 1
+                return original(engine_self, *args, **kwargs)
+
+            return run
+
+        def stepping(original: Any) -> Any:
+            def run(engine_self: Any, *args: Any, **kwargs: Any) -> Any:
+                with self.optimizer_phase():
+                    return original(engine_self, *args, **kwargs)
+
+            return run
+
+        instructions = dict(type(engine)._INSTRUCTION_MAP)
+        instructions[schedule.ForwardPass] = counted(instructions[schedule.ForwardPass], backward=False)
+        instructions[schedule.BackwardPass] = counted(instructions[schedule.BackwardPass], backward=True)
+        instructions[schedule.OptimizerStep] = stepping(instructions[schedule.OptimizerStep])
+        engine._INSTRUCTION_MAP = instructions
+        train_batch = engine.train_batch
+
+        @functools.wraps(train_batch)
+        def training(*args: Any, **kwargs: Any) -> Any:
+            self._begin()
+            result = self._guarded(train_batch, args, kwargs)
+            self._finish()
+            return result
+
+        engine.train_batch = training
+        return engine
+
     def _begin(self) -> None:
         opened = self.iteration()
         opened.__enter__()
@@ -151,7 +198,9 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
         return result
     runtime = DeepSpeedChameleon(config, _coordinates(engine))
     runtime.attach(engine.module)
-    runtime.follow(engine)
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    runtime.follow_pipeline(engine) if isinstance(engine, PipelineEngine) else runtime.follow(engine)
     engine.chameleon = runtime
     logger.info("installed on %s", runtime.coordinates.label)
     return result
