@@ -1,5 +1,6 @@
 """``RankCoordinates``: where one rank sits in a distributed job (tensor, pipeline, data and virtual-pipeline
-ranks and sizes), and ``RankLogPrefix``, which puts them in front of every chameleon-dist log line.
+ranks and sizes); ``RankLogPrefix``, which puts them in front of every chameleon-dist log line; and
+``RankOutOfMemoryError``, what a rank of a multi-rank job raises when it cannot go on.
 
 The engine integrations read the coordinates from the engine's process groups (Megatron's
 ``ProcessGroupCollection`` or ``parallel_state``, DeepSpeed's topology); the runtime only carries them into its
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from typing import Any
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,11 @@ class RankCoordinates:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class RankOutOfMemoryError(torch.OutOfMemoryError):
+    """One rank of a multi-rank job ran out of device memory and cannot retry alone (its peers wait on its
+    sends and collectives); the message names the rank's coordinates and the setting to change."""
 
 
 class RankLogPrefix(logging.Filter):

@@ -28,14 +28,10 @@ import torch.distributed as dist
 
 from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.loaders import config_from_deepspeed
-from chameleon_dist.ranks import RankCoordinates, RankLogPrefix
+from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError
 from chameleon_dist.runtime import Chameleon
 
 logger = logging.getLogger(__name__)
-
-
-class RankOutOfMemoryError(torch.OutOfMemoryError):
-    """One rank of a multi-rank DeepSpeed job ran out of device memory; the message names the rank."""
 
 
 def deepspeed_config_of(args: Any = None, config: Any = None, config_params: Any = None) -> Any:

@@ -34,7 +34,7 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu
 from chameleon_dist.integrations.megatron.schedule import ScheduleTracker, schedule_patches
 from chameleon_dist.patching import PatchSet, apply_patches
-from chameleon_dist.ranks import RankCoordinates, RankLogPrefix
+from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError
 from chameleon_dist.runtime import Chameleon
 
 with warnings.catch_warnings():
@@ -54,10 +54,6 @@ logger = logging.getLogger(__name__)
 # is closed as failed and the rank raises ``RankOutOfMemoryError`` naming its coordinates. The process
 # exits; torchrun sees a failed worker and stops the others, so the job ends instead of hanging in a
 # collective (spawned ranks: the parent must stop the rest, as ``torch.multiprocessing.spawn`` does).
-
-
-class RankOutOfMemoryError(torch.OutOfMemoryError):
-    """One rank of a multi-rank job ran out of device memory; the message names the rank's coordinates."""
 
 
 def coordinates_of(model_chunks: Sequence[nn.Module], process_groups: Any = None) -> RankCoordinates:
