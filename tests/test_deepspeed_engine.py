@@ -56,7 +56,16 @@ CHAMELEON = {"device": {"kind": "emulated", "capacity": "1GB"}, "min_swap_bytes"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_group():
+def process_wide_state():
+    """ZeRO-3 replaces ``torch.nn.functional.linear`` for the whole process ("this will persist unless
+    manually reset", DeepSpeed says); the tests after this module must see torch's own."""
+    linear = F.linear
+    yield
+    torch.nn.functional.linear = linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group(process_wide_state):
     if dist.is_initialized():
         yield
         return
