@@ -3,6 +3,7 @@
 import torch
 
 from chameleon_dist import Chameleon, EmulatedDevice
+from chameleon_dist.policy.scaling import grown
 from chameleon_dist.profiler import layer_of
 from chameleon_dist.trace import BACKWARD, FORWARD, OPTIMIZER, StepTrace
 from tests.models import lm_batch, lm_loss, make_lm
@@ -90,7 +91,30 @@ def test_no_swap_curve_rebuilt_from_a_swapped_iteration_matches_a_run_without_sw
         assert abs(a - b) <= 0.02 * b
 
 
+def test_no_swap_curve_counts_nothing_twice_when_restores_reuse_originals_still_being_copied():
+    # A link so slow that no swap-out lands before backward needs its tensor: every restore reuses the
+    # device original, which never left. The rebuilt curve must not add those bytes back a second time
+    # (it did, 31% above the run without swap, whenever swap-outs were slow, e.g. on a loaded machine).
+    (swapped,), (report,) = _run(1, link_bytes_per_s=1e7)
+    (unswapped,), _ = _run(1, enabled=False)
+    assert report.swap_out_bytes > 0 and swapped.swaps
+    assert all(swap.restored_at >= 0 for swap in swapped.swaps if swapped.storages[swap.storage_id].freed_at >= 0)
+    measured_peak = max(unswapped.memory_curve())
+    assert abs(max(swapped.no_swap_memory_curve()) - measured_peak) <= 0.02 * measured_peak
+
+
 def test_layer_of_module_paths():
     assert layer_of("decoder.layers.3.mlp.linear_fc1") == 3
     assert layer_of("blocks.12") == 12
     assert layer_of("embedding.word_embeddings") == -1
+
+
+def test_a_grown_trace_counts_a_reused_original_once():
+    # every restore of this iteration reused its original (the link is too slow for any swap-out to
+    # land before backward): the original's lifetime grows, and no restored copy is added beside it
+    (trace,), _ = _run(1, link_bytes_per_s=1e7)
+    bigger = grown(trace, 1.5)
+    start = trace.start_live_bytes
+    for curve in ("memory_curve", "no_swap_memory_curve"):
+        base, more = getattr(trace, curve)(), getattr(bigger, curve)()
+        assert max(more) - start <= 1.5 * (max(base) - start) + 1, curve

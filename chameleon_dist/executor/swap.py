@@ -511,11 +511,15 @@ class SwapExecutor(PressureRelief):
         at_op = self._context.observer.op_count if self._context.observer is not None else -1
         if entry.start_swap_in():
             self.counters.swap_in_bytes += entry.nbytes
-            if self._context.observer is not None:
-                self._context.observer.on_swap_in(entry.trace_index, at_op)
         elif entry.reused_source and not entry.reuse_counted:
             entry.reuse_counted = True
             self.counters.reused_original_bytes += entry.nbytes
+        else:
+            return
+        if self._context.observer is not None:
+            # a reused original counts as restored here too: its block never died before this op, and a
+            # trace that took it for gone would add its bytes back to the no-swap curve a second time
+            self._context.observer.on_swap_in(entry.trace_index, at_op)
 
     def _fire_triggers(self, op_count: int) -> None:
         """Start the planned swap-ins whose trigger op has been reached. One that would take the device

@@ -41,11 +41,14 @@ def grown(trace: StepTrace, growth: float) -> StepTrace:
         extra = nbytes - s.nbytes
         delta[s.created_at] += extra
         delta[min(s.freed_at, n)] -= extra
-        start = restored.get(s.storage_id, -1)
-        end = last_read.get(s.storage_id, -1) + 1
-        if 0 <= start < end:  # its restored copy (measured live bytes) grows too
-            delta[start] += extra
-            delta[end] -= extra
+        restored_at = restored.get(s.storage_id, -1)
+        if restored_at >= 0:
+            # its restored copy (measured live bytes) grows too, from when the original had died: a
+            # restore that reused the original (its swap-out had not landed) made no copy
+            start, end = max(restored_at, s.freed_at), last_read.get(s.storage_id, -1) + 1
+            if start < end:
+                delta[start] += extra
+                delta[end] -= extra
         storages.append(dataclasses.replace(s, nbytes=nbytes))
         scaled.add(s.storage_id)
     extra_live = np.cumsum(delta)[:-1]
