@@ -192,11 +192,20 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     if not config.enabled:
         engine.chameleon = None
         return result
-    runtime = DeepSpeedChameleon(config, _coordinates(engine))
-    runtime.attach(engine.module)
+    install(engine, config)
+    return result
+
+
+def install(engine: Any, config: ChameleonConfig) -> DeepSpeedChameleon:
+    """Install a runtime with ``config`` on a built engine (``initialize`` does this for an enabled block);
+    returns it, also as ``engine.chameleon``. With ``enabled`` false the runtime only measures: nothing is
+    swapped, the device meters every byte and runs out of memory at its capacity (the launchers' runs
+    without Chameleon)."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    runtime = DeepSpeedChameleon(config, _coordinates(engine))
+    runtime.attach(engine.module)
     runtime.follow_pipeline(engine) if isinstance(engine, PipelineEngine) else runtime.follow(engine)
     engine.chameleon = runtime
-    logger.info("installed on %s", runtime.coordinates.label)
-    return result
+    logger.info("installed on %s%s", runtime.coordinates.label, "" if config.enabled else " (measuring only)")
+    return runtime
