@@ -178,3 +178,73 @@ def test_pipeline_engine_train_batch_is_one_iteration_and_bit_identical():
     runs = [mb for phase, mb in on_engine.chameleon.last_trace.phase_runs()]
     assert runs == [0, 0, 1, 1, 2, 2, 3, 3], runs  # the k-th forward and backward: micro-batch k
     on_engine.chameleon.close()
+
+
+@pytest.mark.parametrize("block, keys", [
+    ({"min_swap_bytes": "12 parsecs"}, ["chameleon.min_swap_bytes"]),  # a bad size
+    ({"enabled": "sometimes", "profiler": 3}, ["chameleon.enabled", "chameleon.profiler"]),  # wrong types
+    ({"memory_budget": "2GB", "device": {"kind": "emulated", "capacity": "1GB"}}, ["chameleon.memory_budget"]),
+    ([1, 2], ["chameleon"]),  # not a mapping
+], ids=["bad-size", "wrong-types", "budget-above-capacity", "not-a-mapping"])
+def test_every_bad_block_names_its_keys_before_training(block, keys, monkeypatch):
+    built = []
+    monkeypatch.setattr(deepspeed, "initialize", lambda *a, **k: built.append(1))
+    with pytest.raises(ConfigError) as error:
+        initialize(model=TinyGPT(), config=_config(2, chameleon=block))
+    assert all(key in str(error.value) for key in keys), str(error.value)
+    assert not built, "DeepSpeed must not build an engine for a config whose block is wrong"
+
+
+class RoutedRegressor(nn.Module):
+    """Not a GPT: a feature regressor whose every layer routes each row to one of four expert MLPs by a
+    learned gate (top-1, data dependent: the rows per expert, hence the saved shapes and the op sequence,
+    change from micro-batch to micro-batch)."""
+
+    def __init__(self, features: int = 48, experts: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.gates = nn.ModuleList(nn.Linear(features, experts) for _ in range(layers))
+        self.experts = nn.ModuleList(
+            nn.ModuleList(nn.Sequential(nn.Linear(features, 4 * features), nn.Tanh(), nn.Linear(4 * features, features))
+                          for _ in range(experts)) for _ in range(layers))
+        self.out = nn.Linear(features, 1)
+
+    def forward(self, x, target):
+        for gate, experts in zip(self.gates, self.experts):
+            weight, choice = gate(x).softmax(-1).max(-1)
+            mixed = torch.zeros_like(x)
+            for index, expert in enumerate(experts):
+                rows = (choice == index).nonzero(as_tuple=True)[0]
+                if rows.numel():  # an idle expert does not run: its ops are missing from the iteration
+                    mixed = mixed.index_add(0, rows, expert(x[rows]) * weight[rows, None])
+            x = x + mixed
+        return F.mse_loss(self.out(x).squeeze(-1), target)
+
+
+def _train_routed(chameleon: dict | None, windows: int = 5, accumulation: int = 2):
+    torch.manual_seed(0)
+    config = _config(2, accumulation=accumulation, chameleon=chameleon)
+    config["train_micro_batch_size_per_gpu"] = 64
+    engine, *_ = initialize(model=RoutedRegressor(), config=config)
+    losses, reports, counts = [], [], set()
+    for step in range(windows * accumulation):
+        generator = torch.Generator().manual_seed(1000 + step)
+        x = torch.randn(64, 48, generator=generator) * (1 + step % 3)  # the routing shifts with the scale
+        loss = engine(x, x.sum(-1))
+        counts.add(tuple(int((engine.module.gates[0](x).argmax(-1) == e).sum()) for e in range(4)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+        if engine.chameleon is not None and (step + 1) % accumulation == 0:
+            reports.append(engine.chameleon.last_report)
+    return engine, losses, [p.detach().clone() for p in engine.module.parameters()], reports, counts
+
+
+def test_a_routed_model_that_is_not_a_gpt_trains_bit_identically_through_the_drop_in():
+    _, off_losses, off_params, _, counts = _train_routed(None)
+    engine, on_losses, on_params, reports, _ = _train_routed({**CHAMELEON, "min_swap_bytes": "8KiB"})
+    assert len(counts) > 1, "the routing must change between micro-batches"
+    assert all(torch.equal(a, b) for a, b in zip(off_losses, on_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(off_params, on_params, strict=True))
+    assert [r.iteration for r in reports] == [1, 2, 3, 4, 5] and not any(r.failed for r in reports)
+    assert sum(r.swap_out_bytes for r in reports) > 0
+    engine.chameleon.close()

@@ -1,7 +1,7 @@
 """Multi-rank megatron-core jobs on CPU (gloo) through ``launch/train_megatron.py``: every layout trains
 bit-identically with Chameleon, within an emulated capacity at which the run without it runs out of memory.
 
-All jobs run once per session, in one batch (``tests/megatron_batch.py``: the launcher is imported once and
+All jobs run once per session, in one batch (``tests/rank_batch.py``: the launcher is imported once and
 each job's ranks are forked, as torchrun would start them); the tests below read the results. One test
 starts real torchrun to check that a failing rank ends the whole job.
 """
@@ -58,7 +58,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
                          "argv": [*COMMON, *layout, *extra, "--report", str(report)]})
     spec, out = work / "runs.json", work / "results.json"
     spec.write_text(json.dumps(runs))
-    subprocess.run([sys.executable, str(REPO / "tests" / "megatron_batch.py"), str(spec), str(out)], check=True,
+    subprocess.run([sys.executable, str(REPO / "tests" / "rank_batch.py"), "train_megatron", str(spec), str(out)], check=True,
                    timeout=1200, cwd=REPO)
     return {r["name"]: r for r in json.loads(out.read_text())}
 

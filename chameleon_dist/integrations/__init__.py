@@ -10,7 +10,8 @@ from chameleon_dist.patching import Patch
 
 def defined_patches() -> tuple[Patch, ...]:
     """Every runtime patch defined by the integrations (definitions only; nothing is applied)."""
+    from chameleon_dist.integrations.deepspeed.cpu import CPU_PATCHES as DEEPSPEED_CPU_PATCHES
     from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES
     from chameleon_dist.integrations.megatron.schedule import SCHEDULE_PATCHES
 
-    return (*CPU_PATCHES, *SCHEDULE_PATCHES)
+    return (*CPU_PATCHES, *SCHEDULE_PATCHES, *DEEPSPEED_CPU_PATCHES)

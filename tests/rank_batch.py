@@ -1,9 +1,10 @@
-"""Runs several multi-rank ``launch/train_megatron.py`` jobs in a row, for the tests.
+"""Runs several multi-rank jobs of one launcher (``launch/train_megatron.py``, ``launch/train_deepspeed.py``) in
+a row, for the tests.
 
-    python tests/megatron_batch.py RUNS.json RESULTS.json
+    python tests/rank_batch.py LAUNCHER RUNS.json RESULTS.json     # LAUNCHER: train_megatron or train_deepspeed
 
 Each run in RUNS.json is ``{"name", "world_size", "argv", "timeout_s"}``. The point is time: importing
-torch and megatron-core takes ~10 s per process on a 2-core machine, so torchrun would spend most of a test
+torch and megatron-core or DeepSpeed takes ~10 s per process on a 2-core machine, so torchrun would spend most of a test
 run starting processes. This process imports the launcher once, while it has no threads, and then forks
 ``world_size`` ranks per run with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT). It also does what torchrun does when a worker fails: the moment one rank exits non-zero, the
@@ -17,6 +18,7 @@ output).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -29,8 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "launch"))
 
-import train_megatron  # noqa: E402  (imported once, before any fork)
-
+LAUNCHERS = ("train_megatron", "train_deepspeed")
 GRACE_S = 10.0
 
 
@@ -40,7 +41,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank(rank: int, world_size: int, port: int, argv: list[str], log: Path) -> None:
+def _rank(launcher, rank: int, world_size: int, port: int, argv: list[str], log: Path) -> None:
     """In the forked child: torchrun's environment, output to ``log``, then the launcher's main."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -49,7 +50,7 @@ def _rank(rank: int, world_size: int, port: int, argv: list[str], log: Path) -> 
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = 0
     try:
-        train_megatron.main(argv)
+        launcher.main(argv)
     except BaseException:  # noqa: BLE001 - the child reports every failure through its exit code
         traceback.print_exc()
         code = 1
@@ -58,7 +59,7 @@ def _rank(rank: int, world_size: int, port: int, argv: list[str], log: Path) -> 
     os._exit(code)
 
 
-def run(spec: dict, workdir: Path) -> dict:
+def run(launcher, spec: dict, workdir: Path) -> dict:
     world_size, argv, name = int(spec["world_size"]), list(spec["argv"]), spec["name"]
     port = _free_port()
     logs = [workdir / f"{name}.rank{r}.log" for r in range(world_size)]
@@ -67,7 +68,7 @@ def run(spec: dict, workdir: Path) -> dict:
     for rank in range(world_size):
         pid = os.fork()
         if pid == 0:
-            _rank(rank, world_size, port, argv, logs[rank])
+            _rank(launcher, rank, world_size, port, argv, logs[rank])
         children[pid] = rank
     codes: dict[int, int] = {}
     deadline = start + float(spec.get("timeout_s", 300))
@@ -112,12 +113,15 @@ def _tail(path: Path, chars: int = 6000) -> str:
 
 
 def main(argv: list[str]) -> int:
-    runs = json.loads(Path(argv[0]).read_text())
-    out = Path(argv[1])
+    if len(argv) != 3 or argv[0] not in LAUNCHERS:
+        raise SystemExit(f"usage: rank_batch.py {{{','.join(LAUNCHERS)}}} RUNS.json RESULTS.json")
+    launcher = importlib.import_module(argv[0])  # imported once, while this process has no threads, before any fork
+    runs = json.loads(Path(argv[1]).read_text())
+    out = Path(argv[2])
     workdir = out.parent
     results = []
     for spec in runs:
-        results.append(run(spec, workdir))
+        results.append(run(launcher, spec, workdir))
         out.write_text(json.dumps(results, indent=1))  # what finished so far, should a later run hang
     return 0
 

@@ -1,0 +1,122 @@
+"""Two-rank DeepSpeed jobs on CPU (gloo) through ``launch/train_deepspeed.py``: ZeRO-1, ZeRO-2, ZeRO-3, a
+2-stage pipeline with 4 micro-batches, fp16 with loss-scale overflows that skip steps; ZeRO-1 accumulates
+gradients over 4 micro-batches. Each layout runs without Chameleon (measuring only, capacity unlimited) and with it at
+a capacity below the unswapped peak: losses and every rank's final parameters are bit-identical, and every
+rank stays within its capacity. For two layouts the run without Chameleon at that capacity runs, too, and
+runs out of memory naming its rank.
+
+All jobs run once per session, in one batch (``tests/rank_batch.py``: the launcher is imported once and
+each rank is forked with torchrun's environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs" / "deepspeed"
+ITERATIONS = 5
+UNLIMITED = "4GB"
+MIB = 2**20
+
+# name -> (config file, changes to its top-level keys, launcher arguments, capacity with Chameleon)
+LAYOUTS = {
+    "zero1-gas4": ("zero1.json", {"gradient_accumulation_steps": 4}, [], "9MiB"),  # one step per 4 micro-batches
+    "zero2": ("zero2.json", {}, [], "9MiB"),
+    "zero3": ("zero3.json", {}, [], "8MiB"),
+    "pipeline": ("pipeline.json", {}, ["--pipeline-stages", "2"], "9MiB"),
+    # 2^24 overflows twice (hysteresis 1): iterations 1 and 2 skip their step, the later ones apply it
+    "fp16": ("fp16.json", {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 24, "hysteresis": 1,
+                                    "loss_scale_window": 1000, "min_loss_scale": 1}}, [], "4MiB"),
+}
+OUT_OF_MEMORY_RUNS = ("zero2", "pipeline")  # the run without Chameleon at the tight capacity, too
+
+
+def _argv(name: str, config: Path, report: Path, chameleon: bool, capacity: str) -> list[str]:
+    extra = LAYOUTS[name][2]
+    return ["--deepspeed_config", str(config), "--iterations", str(ITERATIONS), "--chameleon-device-capacity", capacity,
+            "--report", str(report), *extra, *([] if chameleon else ["--no-chameleon"])]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    work = tmp_path_factory.mktemp("deepspeed_ranks")
+    runs = []
+    for name, (file, changes, _, capacity) in LAYOUTS.items():
+        config = json.loads((CONFIGS / file).read_text())
+        config.update(changes)
+        path = work / f"{name}.ds.json"
+        path.write_text(json.dumps(config))
+        variants = [("off", False, UNLIMITED), ("on", True, capacity)]
+        if name in OUT_OF_MEMORY_RUNS:
+            variants.append(("oom", False, capacity))
+        for variant, chameleon, size in variants:
+            runs.append({"name": f"{name}-{variant}", "world_size": 2, "timeout_s": 300,
+                         "argv": _argv(name, path, work / f"{name}-{variant}.report.json", chameleon, size)})
+    spec, out = work / "runs.json", work / "results.json"
+    spec.write_text(json.dumps(runs))
+    subprocess.run([sys.executable, str(REPO / "tests" / "rank_batch.py"), "train_deepspeed", str(spec), str(out)],
+                   check=True, timeout=1200, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {r["name"]: r for r in json.loads(out.read_text())}
+
+
+def _completed(result: dict) -> dict:
+    assert result["returncodes"] == [0] * result["world_size"], "\n\n".join(result["logs"])
+    assert result["report"] is not None
+    return result["report"]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_trains_bit_identically_within_capacity(results, name):
+    off, on = _completed(results[f"{name}-off"]), _completed(results[f"{name}-on"])
+    assert len(on["losses"]) == ITERATIONS and on["losses"] == off["losses"], "the losses differ"
+    assert [r["params_sha256"] for r in on["ranks"]] == [r["params_sha256"] for r in off["ranks"]], "parameters differ"
+    assert off["chameleon"]["enabled"] is False and off["chameleon"]["measured"] is True
+    assert on["chameleon"]["enabled"] is True
+    for without, rank in zip(off["ranks"], on["ranks"]):
+        capacity = rank["capacity_bytes"]
+        assert rank["peak_device_bytes"] <= capacity, (rank["rank"], rank["peak_device_bytes"], capacity)
+        assert [row["stage"] for row in rank["iterations"]][:2] == ["warmup", "warmup"]
+    peaks = [r["peak_device_bytes"] for r in off["ranks"]]
+    assert max(peaks) > on["ranks"][0]["capacity_bytes"], "the capacity must be below the unswapped peak"
+    for without, rank in zip(off["ranks"], on["ranks"]):
+        if without["peak_device_bytes"] > rank["capacity_bytes"]:
+            assert sum(row["swap_out_bytes"] for row in rank["iterations"]) > 0, rank["rank"]
+
+
+def test_the_layouts_are_what_they_say(results):
+    layouts = {name: _completed(results[f"{name}-on"])["layout"] for name in LAYOUTS}
+    assert [layouts[n]["zero_stage"] for n in ("zero1-gas4", "zero2", "zero3")] == [1, 2, 3]
+    assert layouts["pipeline"]["pipeline_stages"] == 2 and layouts["pipeline"]["gradient_accumulation_steps"] == 4
+    assert layouts["pipeline"]["dp"] == 1 and layouts["zero2"]["dp"] == 2
+    assert layouts["zero1-gas4"]["gradient_accumulation_steps"] == 4
+    assert layouts["fp16"]["precision"] == "fp16" and layouts["zero2"]["precision"] == "fp32"
+    # the overflows really skipped steps (the op sequence of those iterations had no optimizer update)
+    assert 0 < layouts["fp16"]["skipped_steps"] < ITERATIONS
+    assert all(layout["world_size"] == 2 for layout in layouts.values())
+
+
+def test_the_pipeline_names_each_micro_batch_in_its_stage(results):
+    ranks = _completed(results["pipeline-on"])["ranks"]
+    first, last = ranks[0]["schedule"].split(), ranks[1]["schedule"].split()
+    assert sorted(first) == sorted(last) == sorted(f"{p}{m}" for p in "FB" for m in range(4))
+    assert first.index("F1") < first.index("B0"), "the first stage runs ahead of the last (1F1B warm-up)"
+    assert last[:2] == ["F0", "B0"]
+
+
+@pytest.mark.parametrize("name", OUT_OF_MEMORY_RUNS)
+def test_without_chameleon_the_tight_capacity_runs_out_of_memory(results, name):
+    result = results[f"{name}-oom"]
+    assert any(code != 0 for code in result["returncodes"]) and not result["timed_out"]
+    assert result["report"] is None
+    logs = "\n".join(result["logs"])
+    assert "RankOutOfMemoryError: rank " in logs and "out of memory" in logs, logs[-3000:]
+    assert "[rank 0/2 " in logs or "[rank 1/2 " in logs, "the failure is logged with the rank's coordinates"
