@@ -33,8 +33,9 @@ from chameleon_dist.config.megatron_args import config_from_megatron_args
 from chameleon_dist.device.base import Device
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu
 from chameleon_dist.integrations.megatron.schedule import ScheduleTracker, schedule_patches
+from chameleon_dist.integrations.open_iteration import OpenIteration, SettingNames
 from chameleon_dist.patching import PatchSet, apply_patches
-from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError
+from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError  # noqa: F401 (re-exported)
 from chameleon_dist.runtime import Chameleon
 
 with warnings.catch_warnings():
@@ -44,6 +45,9 @@ with warnings.catch_warnings():
     from megatron.core.transformer.module import Float16Module
 
 logger = logging.getLogger(__name__)
+
+MEGATRON_SETTINGS = SettingNames(capacity="device.capacity, --chameleon-device-capacity", budget="memory_budget",
+                                 min_swap="min_swap_bytes", enable="--chameleon")
 
 # NOTE [One rank cannot retry alone]
 # A single-rank runtime retries an iteration that ran out of memory (``Chameleon.run_iteration``). In a
@@ -118,7 +122,7 @@ class MegatronChameleon(Chameleon):
         self._patches: PatchSet = apply_patches(schedule_patches(self.tracker))
         self._log_prefix = RankLogPrefix(coordinates)
         self._cuda_literals_on_cpu = cuda_literals_on_cpu
-        self._open: contextlib.AbstractContextManager | None = None  # the iteration between the call and the step
+        self._open = OpenIteration(self, MEGATRON_SETTINGS)  # the iteration between the call and the step
         self._steps_closing = False
 
     def start(self) -> "MegatronChameleon":
@@ -128,7 +132,7 @@ class MegatronChameleon(Chameleon):
 
     def close(self) -> None:
         """Close an open iteration, take the schedule patches and the log prefix off (idempotent)."""
-        self._finish_open()
+        self._open.finish()
         if self._patches.active:
             self._patches.restore()
         self._log_prefix.remove()
@@ -144,20 +148,17 @@ class MegatronChameleon(Chameleon):
             if kwargs.get("forward_only", False):
                 with literals:
                     return forward_backward_func(*args, **kwargs)
-            self._finish_open()  # the previous call's optimizer step never came
-            opened = self.iteration()
-            opened.__enter__()
-            self._open = opened
+            self._open.begin()  # (closes the previous call's iteration if its optimizer step never came)
             self.tracker.begin()
             try:
                 with literals:
                     result = forward_backward_func(*args, **kwargs)
             except Exception as exc:
-                self._raise_failed(exc)
+                self._open.fail(exc)
             finally:
                 self.tracker.end()
             if not self._steps_closing:
-                self._finish_open()
+                self._open.finish()
             return result
 
         return forward_backward
@@ -169,46 +170,19 @@ class MegatronChameleon(Chameleon):
 
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> Any:
-            if self._open is None:
+            if not self._open.active:
                 return original(*args, **kwargs)
             try:
                 with self.optimizer_phase():
                     result = original(*args, **kwargs)
             except Exception as exc:
-                self._raise_failed(exc)
-            self._finish_open()
+                self._open.fail(exc)
+            self._open.finish()
             return result
 
         optimizer.step = step
         self._steps_closing = True
         return optimizer
-
-    def _finish_open(self) -> None:
-        opened, self._open = self._open, None
-        if opened is not None:
-            opened.__exit__(None, None, None)
-
-    def _raise_failed(self, exc: Exception) -> None:
-        """Close the open iteration as failed and raise: a ``RankOutOfMemoryError`` naming this rank for an
-        out-of-memory error (NOTE [One rank cannot retry alone]), else ``exc`` itself, logged with the rank."""
-        opened, self._open = self._open, None
-        if opened is not None:
-            opened.__exit__(type(exc), exc, exc.__traceback__)  # the runtime records the failed iteration
-        iteration = self.last_report.iteration if self.last_report is not None else 0
-        if not isinstance(exc, torch.OutOfMemoryError):
-            logger.error("iteration %d failed: %s: %s", iteration, type(exc).__name__, exc)
-            raise exc
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        remedy = ("passive swap could not make room either; raise the device capacity (device.capacity, "
-                  "--chameleon-device-capacity), lower memory_budget, or lower min_swap_bytes"
-                  if self.config.enabled else
-                  "Chameleon is disabled on this rank (enabled: false); turn it on (--chameleon) or raise the "
-                  "device capacity (device.capacity, --chameleon-device-capacity)")
-        message = (f"out of memory in iteration {iteration} ({detail}). A rank of a multi-rank job cannot retry "
-                   f"an iteration alone (its peers already wait on its sends and collectives): this rank stops and "
-                   f"the launcher ends the others. {remedy}.")
-        logger.error("%s", message)  # (the log prefix names the rank)
-        raise RankOutOfMemoryError(f"{self.coordinates.label}: {message}") from exc
 
 
 def _config(config: ChameleonConfig | dict | str | argparse.Namespace | None) -> ChameleonConfig | dict | str | None:
