@@ -248,3 +248,47 @@ def test_a_routed_model_that_is_not_a_gpt_trains_bit_identically_through_the_dro
     assert [r.iteration for r in reports] == [1, 2, 3, 4, 5] and not any(r.failed for r in reports)
     assert sum(r.swap_out_bytes for r in reports) > 0
     engine.chameleon.close()
+
+
+class CheckpointedBlocks(nn.Module):
+    """Three residual MLP blocks, each through DeepSpeed's own activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, 4 * HIDDEN), nn.GELU(),
+                                                  nn.Linear(4 * HIDDEN, HIDDEN)) for _ in range(3))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, x, labels):
+        for block in self.blocks:
+            x = x + deepspeed.checkpointing.checkpoint(block, x)
+        return F.cross_entropy(self.head(x), labels)
+
+
+def _train_checkpointed(chameleon: dict | None):
+    torch.manual_seed(0)
+    config = {**_config(1, chameleon=chameleon), "train_micro_batch_size_per_gpu": 32}
+    engine, *_ = initialize(model=CheckpointedBlocks(), config=config)
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+    losses, swapped = [], 0
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        x, labels = torch.randn(32, HIDDEN, generator=generator), torch.randint(0, VOCAB, (32,), generator=generator)
+        loss = engine(x, labels)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+        swapped += engine.chameleon.last_report.swap_out_bytes if engine.chameleon is not None else 0
+    if engine.chameleon is not None:
+        engine.chameleon.close()
+    return losses, [p.detach().clone() for p in engine.module.parameters()], swapped
+
+
+def test_deepspeed_activation_checkpointing_beside_chameleon_is_bit_identical():
+    """DeepSpeed's checkpointing keeps each block's input and recomputes the block in backward: Chameleon
+    swaps the kept inputs and never what the recomputation saves inside backward."""
+    off_losses, off_params, _ = _train_checkpointed(None)
+    on_losses, on_params, swapped = _train_checkpointed({**CHAMELEON, "min_swap_bytes": "1KiB"})
+    assert swapped > 0
+    assert all(torch.equal(a, b) for a, b in zip(off_losses, on_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(off_params, on_params, strict=True))
