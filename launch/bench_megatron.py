@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from compare_reports import compare, stable_window  # noqa: E402,F401  (stable_window: for the tests)
 from machine_info import run_benchmark  # noqa: E402
 
 import torch  # noqa: E402
@@ -118,75 +119,6 @@ def run_job(world_size: int, argv: list[str], report: Path, log: Path, timeout_s
 
 
 # ---- comparison ---------------------------------------------------------------------------------
-def stable_window(ranks: list[dict]) -> list[int]:
-    """The trailing iterations in which every rank reports the Stable stage (oldest first)."""
-    count = min(len(r["iterations"]) for r in ranks)
-    window: list[int] = []
-    for i in range(count - 1, -1, -1):
-        if not all(r["iterations"][i]["stage"] == "stable" for r in ranks):
-            break
-        window.insert(0, i)
-    return window
-
-
-def job_time_s(ranks: list[dict], window: list[int]) -> float:
-    """Max over ranks of each rank's median ``iteration_s`` over ``window``."""
-    return max(statistics.median(r["iterations"][i]["iteration_s"] for i in window) for r in ranks)
-
-
-def by_rank(report: dict) -> list[dict]:
-    return sorted(report["ranks"], key=lambda r: r["rank"])
-
-
-def compare(reference: dict, chameleon: dict) -> dict:
-    """The table's figures from the two jobs' reports."""
-    off, on = by_rank(reference), by_rank(chameleon)
-    window = stable_window(on)
-    rows = window or [min(len(r["iterations"]) for r in on) - 1]
-    unswapped = max(r["peak_device_bytes"] for r in off)
-    peak = max(r["peak_device_bytes"] for r in on)
-    capacity = max(r["capacity_bytes"] for r in on)
-    reference_s = job_time_s(off, window) if window else None
-    chameleon_s = job_time_s(on, window) if window else None
-    losses_identical = reference["losses"] == chameleon["losses"]
-    params_identical = [r["params_sha256"] for r in off] == [r["params_sha256"] for r in on]
-    return {
-        "unswapped_peak_bytes": unswapped,
-        "chameleon_peak_bytes": peak,
-        "capacity_bytes": capacity,
-        "peak_ratio": peak / unswapped,
-        "within_capacity": all(r["peak_device_bytes"] <= r["capacity_bytes"] for r in on),
-        "stable_window": window,
-        "reference_iteration_s": reference_s,
-        "chameleon_iteration_s": chameleon_s,
-        "time_ratio": chameleon_s / reference_s if window else None,
-        "swap_out_bytes_per_iteration": sum(statistics.fmean(r["iterations"][i]["swap_out_bytes"] for i in rows)
-                                            for r in on),
-        "losses_identical": losses_identical,
-        "params_identical": params_identical,
-        "bit_identical": losses_identical and params_identical,
-        "last_stage": {f"rank{r['rank']}": r["iterations"][-1]["stage"] for r in on},
-        "per_rank": [
-            {"rank": b["rank"], "tp_rank": b["tp_rank"], "pp_rank": b["pp_rank"], "dp_rank": b["dp_rank"],
-             "unswapped_peak_bytes": a["peak_device_bytes"], "chameleon_peak_bytes": b["peak_device_bytes"],
-             "reference_median_s": statistics.median(a["iterations"][i]["iteration_s"] for i in window) if window else None,
-             "chameleon_median_s": statistics.median(b["iterations"][i]["iteration_s"] for i in window) if window else None,
-             "stages": [it["stage"] for it in b["iterations"]]}
-            for a, b in zip(off, on)
-        ],
-        "link": link_of(chameleon),
-    }
-
-
-def link_of(report: dict) -> str:
-    device = report["chameleon"]["config"]["device"]
-    if device.get("preset"):
-        return f"{device['preset']} preset (scaled to each rank's CPU)"
-    if device.get("h2d_bytes_per_s") is None and device.get("d2h_bytes_per_s") is None:
-        return "instant"
-    return f"{device.get('h2d_bytes_per_s')} B/s h2d, {device.get('d2h_bytes_per_s')} B/s d2h"
-
-
 def run_layout(name: str, world_size: int, layout: list[str], capacity: str, args: argparse.Namespace,
                workdir: Path) -> dict:
     common = [*layout, "--iterations", str(args.iterations)]

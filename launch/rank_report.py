@@ -56,6 +56,7 @@ class RankRecord:
             "stage": report.stage,
             "passive_swaps": report.passive_swaps,
             "sequence_change_kind": report.sequence_change_kind,
+            "emulated": report.emulated,
         }
         self.iterations.append(row)
         return row

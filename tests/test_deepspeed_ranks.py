@@ -120,3 +120,15 @@ def test_without_chameleon_the_tight_capacity_runs_out_of_memory(results, name):
     logs = "\n".join(result["logs"])
     assert "RankOutOfMemoryError: rank " in logs and "out of memory" in logs, logs[-3000:]
     assert "[rank 0/2 " in logs or "[rank 1/2 " in logs, "the failure is logged with the rank's coordinates"
+
+
+def test_the_comparison_tool_reads_the_reports(results, capsys):
+    sys.path.insert(0, str(REPO / "launch"))
+    import compare_reports
+
+    paths = [results[f"zero2-{variant}"]["argv"] for variant in ("off", "on")]
+    reference, chameleon = (argv[argv.index("--report") + 1] for argv in paths)
+    assert compare_reports.main([reference, chameleon]) == 0
+    printed = capsys.readouterr().out
+    assert "bit-identical: yes" in printed and "within capacity on every rank: yes" in printed and "emulated" in printed
+    assert compare_reports.main([reference, results["fp16-on"]["argv"][results["fp16-on"]["argv"].index("--report") + 1]]) == 1
