@@ -15,23 +15,47 @@ DeepSpeed exactly as before: nothing is installed.
 
 Errors in the block are raised before DeepSpeed builds anything, naming the key inside the DeepSpeed config
 (``chameleon.memory_budget``).
+
+Out of memory on one rank (``replay.py`` says what a replay resets): a ``PipelineEngine.train_batch`` that runs
+out of memory is replayed from its start on the same micro-batches, up to ``executor.max_oom_retries`` times,
+within the same iteration (``last_report.oom_retries``). A plain engine's window is replayed when the loop hands
+it over::
+
+    def window():
+        for tokens, labels in micro_batches:  # fetched before, never inside
+            engine.backward(engine(tokens, labels))
+            engine.step()
+
+    engine.chameleon.run_window(window)
+
+When the user's own loop runs out of memory instead, the window is discarded (nothing half-accumulated is ever
+stepped; the next window starts clean) and ``WindowDiscardedOutOfMemoryError`` says so. Out of memory inside
+the boundary's optimizer step is not replayed (``OptimizerStepOutOfMemoryError``). With several ranks no rank
+replays alone: ``RankOutOfMemoryError`` names the rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.loaders import config_from_deepspeed
+from chameleon_dist.integrations.deepspeed.replay import (
+    ReplayIterator, WindowDiscardedOutOfMemoryError, WindowStart, reset_window,
+)
 from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError
-from chameleon_dist.runtime import Chameleon
+from chameleon_dist.retry import OptimizerStepOutOfMemoryError
+from chameleon_dist.runtime import Chameleon, _drop_failed_frames
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def deepspeed_config_of(args: Any = None, config: Any = None, config_params: Any = None) -> Any:
@@ -46,6 +70,12 @@ def deepspeed_config_of(args: Any = None, config: Any = None, config_params: Any
 class DeepSpeedChameleon(Chameleon):
     """The rank's runtime plus the hooks on one ``DeepSpeedEngine`` (``engine.chameleon``)."""
 
+    _engine: Any = None  # the engine followed (``follow``, ``follow_pipeline``)
+    _replaying = False  # inside run_window or train_batch: an out-of-memory error is replayed, not raised
+    _window_start: WindowStart | None = None
+    _in_step = False  # inside the boundary's optimizer step
+    _step_error: BaseException | None = None  # the last error that escaped an optimizer step
+
     def __init__(self, config: ChameleonConfig, coordinates: RankCoordinates) -> None:
         super().__init__(config, coordinates=coordinates)
         self._log_prefix = RankLogPrefix(coordinates).install()
@@ -58,6 +88,7 @@ class DeepSpeedChameleon(Chameleon):
         untouched) so that each accumulation window is one iteration."""
         forward, backward, step = engine.forward, engine.backward, engine.step
         clock = self.profiler.micro_batches
+        self._engine = engine
 
         @functools.wraps(forward)
         def forwarding(*args: Any, **kwargs: Any) -> Any:
@@ -125,11 +156,25 @@ class DeepSpeedChameleon(Chameleon):
         instructions[schedule.OptimizerStep] = stepping(instructions[schedule.OptimizerStep])
         engine._INSTRUCTION_MAP = instructions
         train_batch = engine.train_batch
+        self._engine = engine
 
         @functools.wraps(train_batch)
         def training(*args: Any, **kwargs: Any) -> Any:
+            # the micro-batches this batch takes are recorded, so that a replay trains on the same ones
+            given = args[0] if args else kwargs.get("data_iter")
+            source = given if given is not None else engine.data_iterator
+            data = ReplayIterator(source) if source is not None else None
+            if given is not None:
+                args, kwargs = ((data, *args[1:]), kwargs) if args else (args, {**kwargs, "data_iter": data})
+            elif data is not None:
+                engine.data_iterator = data
             self._begin()
-            result = self._guarded(train_batch, args, kwargs)
+            try:
+                result = self._replay(lambda: self._guarded(train_batch, args, kwargs),
+                                      on_retry=data.rewind if data is not None else None)
+            finally:
+                if data is not None and engine.data_iterator is data:
+                    engine.data_iterator = source  # what later batches read on from
             self._finish()
             return result
 
@@ -150,6 +195,12 @@ class DeepSpeedChameleon(Chameleon):
         try:
             return call(*args, **kwargs)
         except Exception as exc:
+            if (isinstance(exc, torch.OutOfMemoryError) and not isinstance(exc, RankOutOfMemoryError)
+                    and self._open is not None and self.coordinates.world_size == 1):
+                in_step, self._step_error = self._in_step or exc is self._step_error, None
+                if self._replaying and not in_step:
+                    raise  # run_window / train_batch reset the window and run it again
+                raise self._discard_window(exc, in_step) from exc
             opened, self._open = self._open, None
             if opened is not None:
                 opened.__exit__(type(exc), exc, exc.__traceback__)
@@ -160,6 +211,119 @@ class DeepSpeedChameleon(Chameleon):
                     "Raise the device capacity (chameleon.device.capacity) or lower chameleon.memory_budget."
                 ) from exc
             raise
+
+    def run_window(self, closure: Callable[[], T]) -> T:
+        """Run one whole gradient-accumulation window of a plain ``DeepSpeedEngine``, replaying it from its start
+        on an out-of-memory error (one rank).
+
+        ``closure`` runs the window's ``gradient_accumulation_steps`` micro-batches, each ``engine(batch)``,
+        ``engine.backward(loss)``, ``engine.step()``; its result is returned. On out of memory before the
+        boundary's ``engine.step()`` completes, the window is reset (``replay.reset_window``: every accumulated
+        gradient and ZeRO partition, ``engine.micro_steps``, the random state), swapping is tightened, and the
+        closure runs again, up to ``executor.max_oom_retries`` times, within the same iteration. Fetch the
+        micro-batches before the closure: it is re-run as it is.
+
+        Raises:
+            torch.OutOfMemoryError: the last retry failed too (the window was discarded; the message says why).
+            OptimizerStepOutOfMemoryError: out of memory inside the boundary's optimizer step (not replayed).
+            RankOutOfMemoryError: out of memory with several ranks (no rank replays alone).
+            RuntimeError: a window is already open (a forward ran outside ``run_window``), or the engine is a
+                ``PipelineEngine`` (its ``train_batch`` replays by itself).
+        """
+        engine = self._engine
+        if hasattr(engine, "train_batch") and hasattr(engine, "pipe_buffers"):
+            raise RuntimeError("run_window is for a plain DeepSpeedEngine: PipelineEngine.train_batch replays a "
+                               "batch that runs out of memory by itself")
+        managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+        if self._open is not None or (managed and engine.micro_steps % engine.gradient_accumulation_steps()):
+            raise RuntimeError(f"run_window must start at an accumulation window's start: engine.micro_steps is "
+                               f"{engine.micro_steps} with gradient_accumulation_steps "
+                               f"{engine.gradient_accumulation_steps()} (a forward ran outside run_window)")
+        self._begin()
+        result = self._replay(closure)
+        if self._open is not None:
+            logger.warning("run_window: the closure returned before the window's boundary engine.step(); the "
+                           "window stays open and only its part inside run_window could be replayed")
+        return result
+
+    def _replay(self, attempt: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
+        """Run ``attempt`` (a whole window, inside the open iteration); on out of memory reset the window, let
+        the runtime tighten swapping (``_recover``) and run it again, as ``run_iteration`` does."""
+        retries = self.config.executor.max_oom_retries if self.config.enabled else 0
+        self._window_start = WindowStart(self._engine, self.device)
+        self._replaying = True
+        try:
+            for attempt_number in range(retries + 1):
+                try:
+                    return attempt()
+                except torch.OutOfMemoryError as exc:
+                    if self._open is None:  # already closed: several ranks, the optimizer step
+                        raise
+                    if attempt_number == retries:
+                        final = self._final_out_of_memory(exc, attempt_number)
+                        if final is exc:
+                            raise self._discard_window(exc, False, final=True)
+                        raise self._discard_window(final, False, final=True) from exc
+                    reason = str(exc)
+                    _drop_failed_frames(exc)
+                except BaseException as exc:
+                    opened, self._open = self._open, None
+                    if opened is not None:
+                        opened.__exit__(type(exc), exc, exc.__traceback__)
+                    raise
+                reset_window(self._engine, self._window_start)
+                self._forwards = self._backwards = 0
+                self.profiler.micro_batches.clear()
+                if on_retry is not None:
+                    on_retry()
+                self._recover(reason)
+            raise AssertionError("unreachable: the last attempt returns or raises")
+        finally:
+            self._replaying, self._window_start = False, None
+
+    def _discard_window(self, exc: torch.OutOfMemoryError, in_step: bool,
+                        final: bool = False) -> torch.OutOfMemoryError:
+        """Reset the window (nothing it accumulated is ever stepped), close its iteration as failed, and return
+        the error to raise: ``exc`` after the last replay, else one that says what happened."""
+        engine = self._engine
+        reset_window(engine, self._window_start)
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if final:
+            error = exc
+        elif in_step:
+            error = OptimizerStepOutOfMemoryError(
+                f"{self.coordinates.label}: out of memory in the optimizer step at the accumulation window's "
+                f"boundary ({first_line}). The step is not replayed (it may already have changed some "
+                "parameters); the window's gradients were discarded. Leave room for the optimizer state: lower "
+                "chameleon.memory_budget or raise chameleon.device.capacity.")
+        else:
+            error = WindowDiscardedOutOfMemoryError(
+                f"{self.coordinates.label}: out of memory in micro-batch {max(self._forwards, 1) - 1} of an "
+                f"accumulation window ({first_line}). The window was discarded: its gradients were zeroed and "
+                f"engine.micro_steps is back at the window's start ({getattr(engine, 'micro_steps', '?')}); the "
+                "optimizer did not step and the next window starts clean. Chameleon can replay a window only "
+                "when it runs it: call engine.chameleon.run_window(closure) with a closure that runs the "
+                "window's micro-batches (forward, engine.backward, engine.step) on batches fetched before it.")
+        opened, self._open = self._open, None
+        if opened is not None:
+            opened.__exit__(type(error), error, error.__traceback__)
+        logger.warning("accumulation window discarded after out of memory: %s", str(error).splitlines()[0])
+        return error
+
+    @contextlib.contextmanager
+    def optimizer_phase(self) -> Iterator[None]:
+        """The runtime's optimizer phase; also marks the boundary's optimizer step, whose out-of-memory errors
+        are not replayed."""
+        self._in_step = True
+        try:
+            with super().optimizer_phase():
+                yield
+        except torch.OutOfMemoryError as exc:
+            if not isinstance(exc, OptimizerStepOutOfMemoryError):  # not handled yet: train_batch's, seen there
+                self._step_error = exc
+            raise
+        finally:
+            self._in_step = False
 
     def close(self) -> None:
         self._finish()
