@@ -106,7 +106,7 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-def _tail(path: Path, chars: int = 6000) -> str:
+def _tail(path: Path, chars: int = 20000) -> str:
     """The end of a rank's output, without Python's warnings about missing optional packages."""
     text = path.read_text(errors="replace") if path.exists() else ""
     return "\n".join(line for line in text.splitlines() if "warn" not in line.lower())[-chars:]

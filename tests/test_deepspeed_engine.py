@@ -292,3 +292,41 @@ def test_deepspeed_activation_checkpointing_beside_chameleon_is_bit_identical():
     assert swapped > 0
     assert all(torch.equal(a, b) for a, b in zip(off_losses, on_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(off_params, on_params, strict=True))
+
+
+class WeightViews(nn.Module):
+    """Saves a view of its weight for backward (``(x * scale) @ weight.t()``): under ZeRO-3 a view of the full
+    copy ZeRO-3 gathered for the forward, not the parameter object. ``protected`` records whether the swap
+    path would refuse that copy, seen from inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(256))
+        self.weight = nn.Parameter(torch.randn(256, 256) / 16)
+        self.head = nn.Linear(256, VOCAB)
+        self.executor = None
+        self.protected: list[bool] = []
+
+    def forward(self, x, labels):
+        if self.executor is not None:
+            self.protected.append(self.weight.numel() > 0 and self.executor.is_protected(self.weight.data))
+        return F.cross_entropy(self.head(torch.tanh((x * self.scale) @ self.weight.t())), labels)
+
+
+def test_zero3_gathered_parameters_are_protected_while_gathered():
+    # (The emulated device never swaps them anyway: ZeRO-3 gathers into buffers it allocated before any
+    # iteration, which the device does not count. On a GPU they are device memory like any other.)
+    torch.manual_seed(0)
+    model = WeightViews()
+    config = _config(3, chameleon={**CHAMELEON, "min_swap_bytes": "8KiB"})
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every parameter is gathered per forward
+    engine, *_ = initialize(model=model, config=config)
+    model.executor = engine.chameleon.executor
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        x, labels = torch.randn(BATCH, 256, generator=generator), torch.randint(0, VOCAB, (BATCH,), generator=generator)
+        engine.backward(engine(x, labels))
+        engine.step()
+        assert model.weight.data.numel() == 0, "ZeRO-3 released the gathered copy after the forward"
+    assert model.protected == [True, True], "the gathered weight must be protected while its module runs"
+    engine.chameleon.close()

@@ -106,6 +106,7 @@ def test_the_layouts_are_what_they_say(results):
 
 def test_the_pipeline_names_each_micro_batch_in_its_stage(results):
     ranks = _completed(results["pipeline-on"])["ranks"]
+    assert [(r["pp_rank"], r["coordinates"]["pp_size"]) for r in ranks] == [(0, 2), (1, 2)]
     first, last = ranks[0]["schedule"].split(), ranks[1]["schedule"].split()
     assert sorted(first) == sorted(last) == sorted(f"{p}{m}" for p in "FB" for m in range(4))
     assert first.index("F1") < first.index("B0"), "the first stage runs ahead of the last (1F1B warm-up)"

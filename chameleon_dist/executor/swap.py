@@ -123,8 +123,21 @@ class SwapExecutor(PressureRelief):
         begins. ``protect_now`` adds a buffer made during an iteration."""
         self._protected.add(owner) if isinstance(owner, nn.Module) else self._protected_sources.append(owner)
 
-    def protect_now(self, tensor: torch.Tensor) -> None:
-        self._protected_keys.add(storage_key(tensor.untyped_storage()))
+    def protect_now(self, tensor: torch.Tensor) -> bool:
+        """Protect ``tensor``'s storage until the next iteration begins; False if it already was."""
+        key = storage_key(tensor.untyped_storage())
+        if key in self._protected_keys:
+            return False
+        self._protected_keys.add(key)
+        return True
+
+    def is_protected(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is protected now (as the swap path checks it when autograd saves)."""
+        return storage_key(tensor.untyped_storage()) in self._protected_keys
+
+    def unprotect_now(self, tensor: torch.Tensor) -> None:
+        """Undo a ``protect_now`` that returned True (the storage is about to go: its address may be reused)."""
+        self._protected_keys.discard(storage_key(tensor.untyped_storage()))
 
     def protected_keys(self) -> set[int]:
         """Storage keys of the protected tensors (as of now)."""

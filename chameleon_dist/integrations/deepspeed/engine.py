@@ -46,9 +46,11 @@ import torch.distributed as dist
 
 from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.loaders import config_from_deepspeed
+from chameleon_dist.integrations.deepspeed.protect import protect_engine_buffers, protect_gathered_parameters
 from chameleon_dist.integrations.deepspeed.replay import (
     ReplayIterator, WindowDiscardedOutOfMemoryError, WindowStart, reset_window,
 )
+from chameleon_dist.integrations.open_iteration import OpenIteration, SettingNames
 from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError
 from chameleon_dist.retry import OptimizerStepOutOfMemoryError
 from chameleon_dist.runtime import Chameleon, _drop_failed_frames
@@ -56,6 +58,9 @@ from chameleon_dist.runtime import Chameleon, _drop_failed_frames
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+DEEPSPEED_SETTINGS = SettingNames(capacity="chameleon.device.capacity", budget="chameleon.memory_budget",
+                                  min_swap="chameleon.min_swap_bytes", enable='"enabled": true in the "chameleon" block')
 
 
 def deepspeed_config_of(args: Any = None, config: Any = None, config_params: Any = None) -> Any:
@@ -79,7 +84,7 @@ class DeepSpeedChameleon(Chameleon):
     def __init__(self, config: ChameleonConfig, coordinates: RankCoordinates) -> None:
         super().__init__(config, coordinates=coordinates)
         self._log_prefix = RankLogPrefix(coordinates).install()
-        self._open = None  # the iteration of the current accumulation window
+        self._window = OpenIteration(self, DEEPSPEED_SETTINGS)  # the iteration of the current accumulation window
         self._forwards = 0
         self._backwards = 0
 
@@ -94,7 +99,7 @@ class DeepSpeedChameleon(Chameleon):
         def forwarding(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)  # evaluation: not part of an iteration
-            if self._open is None:
+            if not self._window.active:
                 self._begin()
             clock.enter(self._forwards)
             self._forwards += 1
@@ -102,7 +107,7 @@ class DeepSpeedChameleon(Chameleon):
 
         @functools.wraps(backward)
         def backwarding(*args: Any, **kwargs: Any) -> Any:
-            if self._open is None:
+            if not self._window.active:
                 return backward(*args, **kwargs)
             clock.enter(self._backwards)
             self._backwards += 1
@@ -110,8 +115,10 @@ class DeepSpeedChameleon(Chameleon):
 
         @functools.wraps(step)
         def stepping(*args: Any, **kwargs: Any) -> Any:
-            if self._open is None or not engine.is_gradient_accumulation_boundary():
+            if not self._window.active:
                 return step(*args, **kwargs)
+            if not engine.is_gradient_accumulation_boundary():
+                return self._guarded(step, args, kwargs)  # (a window's inner step: little work, still guarded)
             with self.optimizer_phase():
                 result = self._guarded(step, args, kwargs)
             self._finish()
@@ -132,7 +139,7 @@ class DeepSpeedChameleon(Chameleon):
 
         def counted(original: Any, backward: bool) -> Any:
             def run(engine_self: Any, *args: Any, **kwargs: Any) -> Any:
-                if self._open is not None:
+                if self._window.active:
                     slot = self._backwards if backward else self._forwards
                     clock.enter(slot)
                     if backward:
@@ -154,6 +161,7 @@ class DeepSpeedChameleon(Chameleon):
         instructions[schedule.ForwardPass] = counted(instructions[schedule.ForwardPass], backward=False)
         instructions[schedule.BackwardPass] = counted(instructions[schedule.BackwardPass], backward=True)
         instructions[schedule.OptimizerStep] = stepping(instructions[schedule.OptimizerStep])
+        protect_engine_buffers(self.executor, engine, instructions, schedule)
         engine._INSTRUCTION_MAP = instructions
         train_batch = engine.train_batch
         self._engine = engine
@@ -182,35 +190,25 @@ class DeepSpeedChameleon(Chameleon):
         return engine
 
     def _begin(self) -> None:
-        opened = self.iteration()
-        opened.__enter__()
-        self._open, self._forwards, self._backwards = opened, 0, 0
+        self._window.begin()
+        self._forwards = self._backwards = 0
 
     def _finish(self) -> None:
-        opened, self._open = self._open, None
-        if opened is not None:
-            opened.__exit__(None, None, None)
+        self._window.finish()
 
     def _guarded(self, call: Any, args: tuple, kwargs: dict) -> Any:
         try:
             return call(*args, **kwargs)
         except Exception as exc:
             if (isinstance(exc, torch.OutOfMemoryError) and not isinstance(exc, RankOutOfMemoryError)
-                    and self._open is not None and self.coordinates.world_size == 1):
+                    and self._window.active and self.coordinates.world_size == 1):
                 in_step, self._step_error = self._in_step or exc is self._step_error, None
                 if self._replaying and not in_step:
                     raise  # run_window / train_batch reset the window and run it again
                 raise self._discard_window(exc, in_step) from exc
-            opened, self._open = self._open, None
-            if opened is not None:
-                opened.__exit__(type(exc), exc, exc.__traceback__)
-            if isinstance(exc, torch.OutOfMemoryError) and self.coordinates.world_size > 1:
-                raise RankOutOfMemoryError(
-                    f"{self.coordinates.label}: out of memory ({str(exc).splitlines()[0]}). A rank of a multi-rank job "
-                    "cannot replay its accumulation window alone: this rank stops and the launcher ends the others. "
-                    "Raise the device capacity (chameleon.device.capacity) or lower chameleon.memory_budget."
-                ) from exc
-            raise
+            if isinstance(exc, RankOutOfMemoryError) or not self._window.active:
+                raise
+            self._window.fail(exc, "an accumulation window")  # (several ranks: no rank replays alone)
 
     def run_window(self, closure: Callable[[], T]) -> T:
         """Run one whole gradient-accumulation window of a plain ``DeepSpeedEngine``, replaying it from its start
@@ -235,13 +233,13 @@ class DeepSpeedChameleon(Chameleon):
             raise RuntimeError("run_window is for a plain DeepSpeedEngine: PipelineEngine.train_batch replays a "
                                "batch that runs out of memory by itself")
         managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
-        if self._open is not None or (managed and engine.micro_steps % engine.gradient_accumulation_steps()):
+        if self._window.active or (managed and engine.micro_steps % engine.gradient_accumulation_steps()):
             raise RuntimeError(f"run_window must start at an accumulation window's start: engine.micro_steps is "
                                f"{engine.micro_steps} with gradient_accumulation_steps "
                                f"{engine.gradient_accumulation_steps()} (a forward ran outside run_window)")
         self._begin()
         result = self._replay(closure)
-        if self._open is not None:
+        if self._window.active:
             logger.warning("run_window: the closure returned before the window's boundary engine.step(); the "
                            "window stays open and only its part inside run_window could be replayed")
         return result
@@ -257,7 +255,7 @@ class DeepSpeedChameleon(Chameleon):
                 try:
                     return attempt()
                 except torch.OutOfMemoryError as exc:
-                    if self._open is None:  # already closed: several ranks, the optimizer step
+                    if not self._window.active:  # already closed: several ranks, the optimizer step
                         raise
                     if attempt_number == retries:
                         final = self._final_out_of_memory(exc, attempt_number)
@@ -267,9 +265,7 @@ class DeepSpeedChameleon(Chameleon):
                     reason = str(exc)
                     _drop_failed_frames(exc)
                 except BaseException as exc:
-                    opened, self._open = self._open, None
-                    if opened is not None:
-                        opened.__exit__(type(exc), exc, exc.__traceback__)
+                    self._window.close_failed(exc)
                     raise
                 reset_window(self._engine, self._window_start)
                 self._forwards = self._backwards = 0
@@ -304,9 +300,7 @@ class DeepSpeedChameleon(Chameleon):
                 "optimizer did not step and the next window starts clean. Chameleon can replay a window only "
                 "when it runs it: call engine.chameleon.run_window(closure) with a closure that runs the "
                 "window's micro-batches (forward, engine.backward, engine.step) on batches fetched before it.")
-        opened, self._open = self._open, None
-        if opened is not None:
-            opened.__exit__(type(error), error, error.__traceback__)
+        self._window.close_failed(error)
         logger.warning("accumulation window discarded after out of memory: %s", str(error).splitlines()[0])
         return error
 
@@ -331,8 +325,15 @@ class DeepSpeedChameleon(Chameleon):
 
 
 def _coordinates(engine: Any) -> RankCoordinates:
+    """The rank's place: pipeline stage and data-parallel rank from a ``PipelineEngine``'s grid, else the
+    data-parallel rank among ``dp_world_size`` ranks."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    grid = getattr(engine, "grid", None)
+    if grid is not None and hasattr(engine, "num_stages"):
+        return RankCoordinates(rank=rank, world_size=world_size, pp_rank=int(engine.stage_id),
+                               pp_size=int(engine.num_stages), dp_rank=int(grid.get_data_parallel_rank()),
+                               dp_size=int(grid.get_data_parallel_world_size()))
     dp_size = int(getattr(engine, "dp_world_size", world_size) or world_size)
     dp_rank = rank % dp_size if dp_size else 0
     return RankCoordinates(rank=rank, world_size=world_size, dp_rank=dp_rank, dp_size=dp_size)
@@ -369,6 +370,8 @@ def install(engine: Any, config: ChameleonConfig) -> DeepSpeedChameleon:
 
     runtime = DeepSpeedChameleon(config, _coordinates(engine))
     runtime.attach(engine.module)
+    if engine.zero_optimization_stage() == 3:
+        protect_gathered_parameters(runtime.executor, engine.module)
     runtime.follow_pipeline(engine) if isinstance(engine, PipelineEngine) else runtime.follow(engine)
     engine.chameleon = runtime
     logger.info("installed on %s%s", runtime.coordinates.label, "" if config.enabled else " (measuring only)")
