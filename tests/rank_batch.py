@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -110,6 +111,23 @@ def _tail(path: Path, chars: int = 20000) -> str:
     """The end of a rank's output, without Python's warnings about missing optional packages."""
     text = path.read_text(errors="replace") if path.exists() else ""
     return "\n".join(line for line in text.splitlines() if "warn" not in line.lower())[-chars:]
+
+
+def run_jobs(launcher: str, runs: list[dict], workdir: Path, timeout_s: float = 1200) -> dict[str, dict]:
+    """For a test: run ``runs`` of ``launcher`` in one batch (this file as a script, in a fresh process with
+    ``OMP_NUM_THREADS=1``); the results by run name."""
+    spec, out = workdir / "runs.json", workdir / "results.json"
+    spec.write_text(json.dumps(runs))
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), launcher, str(spec), str(out)], check=True,
+                   timeout=timeout_s, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {r["name"]: r for r in json.loads(out.read_text())}
+
+
+def completed(result: dict) -> dict:
+    """The report of a run that every rank completed (else an assertion error with every rank's output)."""
+    assert result["returncodes"] == [0] * result["world_size"], "\n\n".join(result["logs"])
+    assert result["report"] is not None
+    return result["report"]
 
 
 def main(argv: list[str]) -> int:

@@ -5,8 +5,6 @@ per gradient-accumulation window, and losses and parameters bit-identical with a
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 deepspeed = pytest.importorskip("deepspeed")
+from tests.deepspeed_session import one_rank_deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from chameleon_dist.config import ConfigError  # noqa: E402
@@ -56,27 +55,8 @@ CHAMELEON = {"device": {"kind": "emulated", "capacity": "1GB"}, "min_swap_bytes"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_wide_state():
-    """ZeRO-3 replaces ``torch.nn.functional.linear`` for the whole process ("this will persist unless
-    manually reset", DeepSpeed says); the tests after this module must see torch's own."""
-    linear = F.linear
-    yield
-    torch.nn.functional.linear = linear
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group(process_wide_state):
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 4-minute build of a CPU-only op
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    dist.destroy_process_group()
+def process_group():
+    yield from one_rank_deepspeed()
 
 
 def _train(config: dict, steps: int = 4, accumulation: int = 1):

@@ -12,12 +12,12 @@ each rank is forked with torchrun's environment).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.rank_batch import completed, run_jobs
 
 pytest.importorskip("deepspeed")
 
@@ -33,9 +33,9 @@ LAYOUTS = {
     "zero2": ("zero2.json", {}, [], "9MiB"),
     "zero3": ("zero3.json", {}, [], "8MiB"),
     "pipeline": ("pipeline.json", {}, ["--pipeline-stages", "2"], "9MiB"),
-    # 2^24 overflows twice (hysteresis 1): iterations 1 and 2 skip their step, the later ones apply it
-    "fp16": ("fp16.json", {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 24, "hysteresis": 1,
-                                    "loss_scale_window": 1000, "min_loss_scale": 1}}, [], "4MiB"),
+    # the config's initial loss scale 2^24 overflows twice (hysteresis 1): iterations 1 and 2 skip their
+    # step, the later ones apply it
+    "fp16": ("fp16.json", {}, [], "4MiB"),
 }
 OUT_OF_MEMORY_RUNS = ("zero2", "pipeline")  # the run without Chameleon at the tight capacity, too
 
@@ -61,22 +61,12 @@ def results(tmp_path_factory):
         for variant, chameleon, size in variants:
             runs.append({"name": f"{name}-{variant}", "world_size": 2, "timeout_s": 300,
                          "argv": _argv(name, path, work / f"{name}-{variant}.report.json", chameleon, size)})
-    spec, out = work / "runs.json", work / "results.json"
-    spec.write_text(json.dumps(runs))
-    subprocess.run([sys.executable, str(REPO / "tests" / "rank_batch.py"), "train_deepspeed", str(spec), str(out)],
-                   check=True, timeout=1200, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return {r["name"]: r for r in json.loads(out.read_text())}
-
-
-def _completed(result: dict) -> dict:
-    assert result["returncodes"] == [0] * result["world_size"], "\n\n".join(result["logs"])
-    assert result["report"] is not None
-    return result["report"]
+    return run_jobs("train_deepspeed", runs, work)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_trains_bit_identically_within_capacity(results, name):
-    off, on = _completed(results[f"{name}-off"]), _completed(results[f"{name}-on"])
+    off, on = completed(results[f"{name}-off"]), completed(results[f"{name}-on"])
     assert len(on["losses"]) == ITERATIONS and on["losses"] == off["losses"], "the losses differ"
     assert [r["params_sha256"] for r in on["ranks"]] == [r["params_sha256"] for r in off["ranks"]], "parameters differ"
     assert off["chameleon"]["enabled"] is False and off["chameleon"]["measured"] is True
@@ -93,7 +83,7 @@ def test_layout_trains_bit_identically_within_capacity(results, name):
 
 
 def test_the_layouts_are_what_they_say(results):
-    layouts = {name: _completed(results[f"{name}-on"])["layout"] for name in LAYOUTS}
+    layouts = {name: completed(results[f"{name}-on"])["layout"] for name in LAYOUTS}
     assert [layouts[n]["zero_stage"] for n in ("zero1-gas4", "zero2", "zero3")] == [1, 2, 3]
     assert layouts["pipeline"]["pipeline_stages"] == 2 and layouts["pipeline"]["gradient_accumulation_steps"] == 4
     assert layouts["pipeline"]["dp"] == 1 and layouts["zero2"]["dp"] == 2
@@ -105,7 +95,7 @@ def test_the_layouts_are_what_they_say(results):
 
 
 def test_the_pipeline_names_each_micro_batch_in_its_stage(results):
-    ranks = _completed(results["pipeline-on"])["ranks"]
+    ranks = completed(results["pipeline-on"])["ranks"]
     assert [(r["pp_rank"], r["coordinates"]["pp_size"]) for r in ranks] == [(0, 2), (1, 2)]
     first, last = ranks[0]["schedule"].split(), ranks[1]["schedule"].split()
     assert sorted(first) == sorted(last) == sorted(f"{p}{m}" for p in "FB" for m in range(4))
@@ -133,3 +123,22 @@ def test_the_comparison_tool_reads_the_reports(results, capsys):
     printed = capsys.readouterr().out
     assert "bit-identical: yes" in printed and "within capacity on every rank: yes" in printed and "emulated" in printed
     assert compare_reports.main([reference, results["fp16-on"]["argv"][results["fp16-on"]["argv"].index("--report") + 1]]) == 1
+
+
+def test_the_readme_commands_are_tested_layouts():
+    """Every launcher line of the README's DeepSpeed section runs a layout these tests run, at its capacity."""
+    readme = (REPO / "README.md").read_text().split("### The launcher: `launch/train_deepspeed.py`", 1)[1]
+    block = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    tested = {(LAYOUTS[n][0], tuple(LAYOUTS[n][2]), LAYOUTS[n][3]) for n in LAYOUTS if not LAYOUTS[n][1]}
+    commands = [line.split() for line in block.strip().splitlines()]
+    assert len(commands) >= 3
+    for command in commands:
+        assert command[0] in (".venv/bin/torchrun", ".venv/bin/deepspeed"), command
+        assert command[1:3] in (["--nproc-per-node", "2"], ["--num_gpus", "2"]), command
+        args = command[command.index("launch/train_deepspeed.py") + 1:]
+        config = Path(args[args.index("--deepspeed_config") + 1])
+        assert (REPO / config).is_file() and config.parent == Path("configs/deepspeed"), config
+        capacity = args[args.index("--chameleon-device-capacity") + 1]
+        rest = tuple(a for i, a in enumerate(args) if a not in ("--deepspeed_config", "--chameleon-device-capacity")
+                     and args[i - 1] not in ("--deepspeed_config", "--chameleon-device-capacity"))
+        assert (config.name, rest, capacity) in tested, command

@@ -5,8 +5,6 @@ clean. The failure is a one-shot ``torch.OutOfMemoryError`` injected from a modu
 
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 deepspeed = pytest.importorskip("deepspeed")
+from tests.deepspeed_session import one_rank_deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from chameleon_dist.integrations.deepspeed.engine import initialize  # noqa: E402
@@ -105,39 +104,8 @@ def _config(stage: int, bf16: bool = False) -> dict:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def process_wide_state():
-    """ZeRO-3 replaces ``torch.nn.functional.linear`` for the whole process; later tests must see torch's."""
-    linear = F.linear
-    yield
-    torch.nn.functional.linear = linear
-
-
-def _forget_deepspeed_groups() -> None:
-    """DeepSpeed caches the process groups it made and the last pipeline's grid (``deepspeed.utils.groups``):
-    after a module before this one destroyed its default group they name dead groups."""
-    from deepspeed.utils import groups
-
-    for name, value in list(vars(groups).items()):
-        if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
-            setattr(groups, name, {} if isinstance(value, dict) else None)
-    groups.mpu = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group(process_wide_state):
-    if dist.is_initialized():
-        yield
-        return
-    _forget_deepspeed_groups()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 4-minute build of a CPU-only op
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    dist.destroy_process_group()
-    _forget_deepspeed_groups()
+def process_group():
+    yield from one_rank_deepspeed()
 
 
 def _micro_batches(window: int) -> list[torch.Tensor]:

@@ -8,7 +8,6 @@ starts real torchrun to check that a failing rank ends the whole job.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.rank_batch import completed, run_jobs
 
 pytest.importorskip("megatron.core")
 
@@ -56,23 +57,13 @@ def results(tmp_path_factory) -> dict[str, dict]:
             report = work / f"{name}-{variant}.json"
             runs.append({"name": f"{name}-{variant}", "world_size": world_size, "timeout_s": 180,
                          "argv": [*COMMON, *layout, *extra, "--report", str(report)]})
-    spec, out = work / "runs.json", work / "results.json"
-    spec.write_text(json.dumps(runs))
-    subprocess.run([sys.executable, str(REPO / "tests" / "rank_batch.py"), "train_megatron", str(spec), str(out)], check=True,
-                   timeout=1200, cwd=REPO)
-    return {r["name"]: r for r in json.loads(out.read_text())}
-
-
-def _completed(result: dict) -> dict:
-    assert result["returncodes"] == [0] * result["world_size"], "\n\n".join(result["logs"])
-    assert result["report"] is not None
-    return result["report"]
+    return run_jobs("train_megatron", runs, work)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_trains_bit_identically_within_capacity(results, name):
     world_size, _layout, capacity = LAYOUTS[name]
-    off, on = _completed(results[f"{name}-off"]), _completed(results[f"{name}-on"])
+    off, on = completed(results[f"{name}-off"]), completed(results[f"{name}-on"])
     assert on["losses"] == off["losses"] and len(on["losses"]) == 6
     assert all(loss != "nan" for loss in on["losses"])
     assert [r["params_sha256"] for r in on["ranks"]] == [r["params_sha256"] for r in off["ranks"]]
@@ -99,7 +90,7 @@ def test_without_chameleon_the_same_capacity_runs_out_of_memory(results, name):
 
 
 def test_report_holds_the_layout_and_every_rank(results):
-    report = _completed(results["tp2pp2-on"])
+    report = completed(results["tp2pp2-on"])
     assert {k: report["layout"][k] for k in ("tp", "pp", "vpp", "dp", "world_size", "micro_batches", "recompute")} == {
         "tp": 2, "pp": 2, "vpp": 1, "dp": 1, "world_size": 4, "micro_batches": 4, "recompute": "none"}
     assert report["chameleon"]["config"]["device"]["capacity"] == _bytes("9MB")
@@ -110,7 +101,7 @@ def test_report_holds_the_layout_and_every_rank(results):
         assert len(rank["iterations"]) == 6 and len(rank["params_sha256"]) == 64
         assert {"peak_device_bytes", "swap_out_bytes", "stall_s", "iteration_s", "stage"} <= set(rank["iterations"][0])
         assert rank["iterations"][0]["stage"] == "warmup" and rank["iterations"][-1]["stage"] in ("gen_policy", "stable")
-    dp = _completed(results["tp2dp2-on"])
+    dp = completed(results["tp2dp2-on"])
     assert dp["layout"]["dp"] == 2 and sorted(r["dp_rank"] for r in dp["ranks"]) == [0, 0, 1, 1]
     # the data-parallel ranks train on different data: their losses alone would differ, their parameters not
     assert len({r["params_sha256"] for r in dp["ranks"] if r["tp_rank"] == 0}) == 1
@@ -119,18 +110,18 @@ def test_report_holds_the_layout_and_every_rank(results):
 def test_micro_batches_are_named_by_the_schedule(results):
     """1F1B: the first stage holds two micro-batches at once (F0 F1 B0 ...); guessing from forward/backward
     turns would merge F0 and F1. Interleaved: slot = chunk * micro_batches + micro_batch."""
-    pp2 = {r["pp_rank"]: r["schedule"] for r in _completed(results["pp2-on"])["ranks"]}
+    pp2 = {r["pp_rank"]: r["schedule"] for r in completed(results["pp2-on"])["ranks"]}
     assert pp2 == {0: "F0 F1 B0 F2 B1 F3 B2 B3", 1: "F0 B0 F1 B1 F2 B2 F3 B3"}
-    for rank in _completed(results["pp2vpp2-on"])["ranks"]:
+    for rank in completed(results["pp2vpp2-on"])["ranks"]:
         runs = rank["schedule"].split()
         assert sorted(runs) == sorted([f"F{s}" for s in range(8)] + [f"B{s}" for s in range(8)]), runs
         assert all(runs.index(f"F{s}") < runs.index(f"B{s}") for s in range(8))
-    first_stage = {r["pp_rank"]: r["schedule"] for r in _completed(results["pp2vpp2-on"])["ranks"]}[0]
+    first_stage = {r["pp_rank"]: r["schedule"] for r in completed(results["pp2vpp2-on"])["ranks"]}[0]
     assert first_stage.startswith("F0 F1 F4 F5"), first_stage  # chunk 0's micro-batches 0, 1, then chunk 1's
 
 
 def test_sequence_length_changes_are_trained_through(results):
-    on, off = _completed(results["pp2-vary-seq-length-on"]), _completed(results["pp2-off"])
+    on, off = completed(results["pp2-vary-seq-length-on"]), completed(results["pp2-off"])
     assert on["layout"]["vary_seq_length"] and on["losses"][:3] == off["losses"][:3]
     assert on["losses"][3:] != off["losses"][3:]  # other lengths from iteration 4 on: other losses
 
@@ -138,12 +129,12 @@ def test_sequence_length_changes_are_trained_through(results):
 def test_routing_changes_what_each_iteration_holds(results):
     """Tokens per expert follow the router's weights, which change every step: the unswapped peak and the sizes
     saved for backward move from iteration to iteration (the profiler absorbs it); dense layers repeat exactly."""
-    moe_off, dense_off = _completed(results["pp2-moe-off"]), _completed(results["pp2-off"])
+    moe_off, dense_off = completed(results["pp2-moe-off"]), completed(results["pp2-off"])
     for rank in moe_off["ranks"]:
         assert len({it["peak_device_bytes"] for it in rank["iterations"][1:]}) > 1, rank["iterations"]
     for rank in dense_off["ranks"]:
         assert len({it["peak_device_bytes"] for it in rank["iterations"][1:]}) == 1, rank["iterations"]
-    kinds = {name: [[it["sequence_change_kind"] for it in r["iterations"][2:]] for r in _completed(results[name])["ranks"]]
+    kinds = {name: [[it["sequence_change_kind"] for it in r["iterations"][2:]] for r in completed(results[name])["ranks"]]
              for name in ("pp2-moe-on", "pp2-on")}
     assert all(kind in ("absorbed", "rerouted") for rank in kinds["pp2-moe-on"] for kind in rank), kinds
     assert all(kind == "identical" for rank in kinds["pp2-on"] for kind in rank), kinds
