@@ -310,3 +310,12 @@ def test_zero3_gathered_parameters_are_protected_while_gathered():
         assert model.weight.data.numel() == 0, "ZeRO-3 released the gathered copy after the forward"
     assert model.protected == [True, True], "the gathered weight must be protected while its module runs"
     engine.chameleon.close()
+
+
+def test_a_disabled_block_installs_nothing_and_trains_as_deepspeed_does():
+    off_engine, off_losses, off_params, _ = _train(_config(2), steps=2)
+    engine, losses, params, _ = _train(_config(2, chameleon={**CHAMELEON, "enabled": False}), steps=2)
+    assert engine.chameleon is None
+    assert "forward" not in vars(engine) and "step" not in vars(engine) and "backward" not in vars(engine)
+    assert all(torch.equal(a, b) for a, b in zip(off_losses, losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(off_params, params, strict=True))
