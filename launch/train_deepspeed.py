@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import importlib
 import json
 import logging
 import os
@@ -45,6 +46,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     import deepspeed  # noqa: E402  (before any rank starts: tests fork ranks from one process)
+    # torch.use_deterministic_algorithms imports torch._inductor, and DeepSpeed's optimizer check imports its
+    # Muon module, which calls torch.compile (torch._dynamo, inductor's compile_fx): 6-7 s in every rank
+    # unless imported here, once
+    import torch._inductor  # noqa: E402,F401
+    with contextlib.suppress(ImportError):
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
     from deepspeed.pipe import PipelineModule  # noqa: E402
     from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 

@@ -43,6 +43,9 @@ with warnings.catch_warnings():
 
     from chameleon_dist.integrations.megatron import gpt  # noqa: E402
     from chameleon_dist.integrations.megatron.install import install  # noqa: E402
+    # torch.use_deterministic_algorithms (main) imports torch._inductor: ~2.5 s in every rank unless imported
+    # here, once (tests fork ranks from one process that imported this module)
+    import torch._inductor  # noqa: E402,F401
 
 logger = logging.getLogger("train_megatron")
 

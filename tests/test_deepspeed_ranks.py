@@ -23,7 +23,7 @@ pytest.importorskip("deepspeed")
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "deepspeed"
-ITERATIONS = 5
+ITERATIONS = 4
 UNLIMITED = "4GB"
 MIB = 2**20
 
@@ -37,7 +37,7 @@ LAYOUTS = {
     # step, the later ones apply it
     "fp16": ("fp16.json", {}, [], "4MiB"),
 }
-OUT_OF_MEMORY_RUNS = ("zero2", "pipeline")  # the run without Chameleon at the tight capacity, too
+OUT_OF_MEMORY_RUNS = ("zero1-gas4", "pipeline")  # the run without Chameleon at the tight capacity, too
 
 
 def _argv(name: str, config: Path, report: Path, chameleon: bool, capacity: str) -> list[str]:
