@@ -66,7 +66,7 @@ class _Running:
     oom_retries: int = 0
 
 
-def _drop_failed_frames(exc: BaseException) -> None:
+def drop_failed_frames(exc: BaseException) -> None:
     """Let go of what the failed attempt's frames hold (its loss, activations, autograd graph). An error
     raised inside backward can stay referenced from C++ after the ``except`` block, out of the garbage
     collector's sight, and its frames with it: on the MoE case of launch/bench_dynamic.py they kept
@@ -339,7 +339,7 @@ class Chameleon:
                     if attempt == retries:
                         raise self._final_out_of_memory(exc, attempt) from exc
                     reason = str(exc)
-                    _drop_failed_frames(exc)
+                    drop_failed_frames(exc)
                 else:
                     if optimizer is not None:
                         with self.optimizer_phase(), optimizer_state_guard(optimizer):

@@ -53,7 +53,7 @@ from chameleon_dist.integrations.deepspeed.replay import (
 from chameleon_dist.integrations.open_iteration import OpenIteration, SettingNames
 from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError
 from chameleon_dist.retry import OptimizerStepOutOfMemoryError
-from chameleon_dist.runtime import Chameleon, _drop_failed_frames
+from chameleon_dist.runtime import Chameleon, drop_failed_frames
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class DeepSpeedChameleon(Chameleon):
                             raise self._discard_window(exc, False, final=True)
                         raise self._discard_window(final, False, final=True) from exc
                     reason = str(exc)
-                    _drop_failed_frames(exc)
+                    drop_failed_frames(exc)
                 except BaseException as exc:
                     self._window.close_failed(exc)
                     raise
