@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from chameleon_dist.policy import (
@@ -216,6 +216,9 @@ layer_sizes = st.lists(st.integers(min_value=0, max_value=5000), min_size=1, max
     bw=st.sampled_from([1e3, 1e4, 1e5, 1e7]),
     recompute=st.booleans(),
 )
+# found by Hypothesis in a full run: a swap-in placed after the entry's first backward use
+@example(sizes=[[1, 1, 1, 2270, 3409], [0, 0], [2273, 2273], [0], [0]], micro_batches=2, budget_fraction=0.25,
+         bw=1e5, recompute=True)
 def test_policy_properties(sizes, micro_batches, budget_fraction, bw, recompute):
     trace = layered_trace(sizes, micro_batches=micro_batches, static_bytes=300, iteration_s=0.5)
     no_swap_peak = max(trace.no_swap_memory_curve())

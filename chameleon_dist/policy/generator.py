@@ -253,7 +253,7 @@ def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Plan
         copy_s = cand.nbytes / s.d2h_bytes_per_s
         if cand.storage_id in recompute:
             continue
-        save_op = max(cand.created_at, cand.save_op_index - 1)
+        save_op = _save_op(cand)
         g = int(group_of[save_op])
         at, hidden = save_op, False
         while g < len(groups) and groups[g].start < cand.first_backward_use:
@@ -297,6 +297,8 @@ def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Plan
             continue
         p = planned[cand.storage_id]
         p.first_backward_use = use
+        if p.swap_out_at >= use:  # a recomputed tensor needs it earlier than the copy-out was placed for
+            p.swap_out_at = _save_op(cand)
         g = max(g, lowest, 0) if use_group > 0 else use_group
         need = copy_s
         for h in range(g, use_group):
@@ -312,6 +314,11 @@ def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Plan
             ahead_s += ctx.op_times_s[at]
         p.swap_in_at = max(at, cand.last_forward_use + 1, p.swap_out_at + 1)  # (never back before it left)
     return [planned[c.storage_id] for c in chosen]
+
+
+def _save_op(cand: Candidate) -> int:
+    """The op at whose end a swap-out of ``cand`` can be issued first."""
+    return max(cand.created_at, cand.save_op_index - 1)
 
 
 def _recomputed(ctx: Context, chosen: list[Candidate], variant: Variant) -> set[int]:
