@@ -112,20 +112,24 @@ def run(args: argparse.Namespace) -> dict:
         return {"memory_budget": 1.0, "min_swap_bytes": args.min_swap_bytes,
                 "executor": {"allow_recompute": allow_recompute}, "profiler": {"policy_trials": args.policy_trials}}
 
-    runners = {
-        "unconstrained": Runner("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
-        "swap_only": Runner("swap_only", args, device(capacity_bytes), config(False)),
-        "swap_recompute": Runner("swap_recompute", args, device(capacity_bytes), config(True)),
-        "layer_recompute": Runner("layer_recompute", args, device(UNBOUNDED_CAPACITY_BYTES), None, checkpoint_layers=True),
+    makers = {
+        "unconstrained": lambda: Runner("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
+        "swap_only": lambda: Runner("swap_only", args, device(capacity_bytes), config(False)),
+        "swap_recompute": lambda: Runner("swap_recompute", args, device(capacity_bytes), config(True)),
+        "layer_recompute": lambda: Runner("layer_recompute", args, device(UNBOUNDED_CAPACITY_BYTES), None,
+                                          checkpoint_layers=True),
     }
+    names = [n for n in VARIANTS if n == "unconstrained" or n in args.variants]  # the reference always runs
+    runners = {name: makers[name]() for name in names}
     rounds = args.warmup_rounds + args.rounds
     for r in range(rounds):
         batch = batch_for(args, r)
-        for k in range(len(VARIANTS)):  # rotate the order every round
-            runners[VARIANTS[(r + k) % len(VARIANTS)]].step(batch)
+        for k in range(len(names)):  # rotate the order every round
+            runners[names[(r + k) % len(names)]].step(batch)
         if args.verbose:
-            print(f"round {r:3d} " + " ".join(f"{n} {runners[n].records[-1]['iteration_s']:.3f}" for n in VARIANTS)
-                  + f" | {runners['swap_recompute'].records[-1]['stage']}", flush=True)
+            print(f"round {r:3d} " + " ".join(f"{n} {runners[n].records[-1]['iteration_s']:.3f}" for n in names)
+                  + " | " + " ".join(f"{n} {runners[n].records[-1]['stage']}" for n in names
+                                     if runners[n].chameleon is not None), flush=True)
     timed = range(args.warmup_rounds, rounds)
     reference = runners["unconstrained"]
     ref_params = list(reference.model.parameters())
@@ -178,7 +182,7 @@ def report(r: dict) -> None:
     for name, v in r["variants"].items():
         print(f"{name:16s} {v['ratio']:6.3f} {v['peak_mib']:9.2f} {v['swap_out_mib']:8.2f} {v['recomputed_mib']:10.2f} "
               f"{100 * v['stall_share']:6.1f}%  {'yes' if v['bit_identical'] else 'NO':13s}  {','.join(v['policies'])}")
-    reason = r["variants"]["swap_only"]["best_generated_reason"]
+    reason = r["variants"].get("swap_only", {}).get("best_generated_reason")
     if reason:
         print(f"swap_only: {reason}")
     print(f"wall time {r['wall_s']:.0f} s")
@@ -199,10 +203,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (unconstrained, the reference, always runs)")
     parser.add_argument("--small", action="store_true", help="tiny model and few rounds (smoke test)")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.small:
         args.layers, args.hidden, args.seq, args.batch, args.vocab = 2, 64, 32, 1, 64
         args.min_swap_bytes, args.warmup_rounds, args.rounds = 1024, 8, 3

@@ -24,8 +24,9 @@ def test_recompute_inputs_are_the_tensors_they_were_at_a_mid_size_shape(tmp_path
     iteration: a recipe input found by address alone rebuilt a tensor from the wrong bytes (wrong losses).
     Inputs are found through what held their storage, checked against the storage itself."""
     results = bench_recompute.main(["--layers", "3", "--hidden", "256", "--seq", "128", "--batch", "2",
-                                    "--vocab", "256", "--warmup-rounds", "8", "--rounds", "2",
+                                    "--vocab", "256", "--warmup-rounds", "8", "--rounds", "2", "--variants", "swap_recompute",
                                     "--json", str(tmp_path / "r.json")])
+    assert set(results["variants"]) == {"unconstrained", "swap_recompute"}
     recompute = results["variants"]["swap_recompute"]
     assert recompute["recomputed_mib"] > 0 or recompute["policies"], recompute
     assert all(v["bit_identical"] for v in results["variants"].values()), \
