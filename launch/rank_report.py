@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -26,6 +27,20 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
+
+
+def launcher_setup(framework_logger: str, *, ignored_warnings: Iterable[str] = ()) -> None:
+    """What both launchers' ``main`` sets up before training: INFO logging with timestamps (chameleon-dist's and
+    the framework's own loggers at WARNING, so rank 0's progress lines stand out), DeprecationWarning and the
+    warnings matching ``ignored_warnings`` silenced, and deterministic algorithms for bit-for-bit comparable
+    runs (on CUDA, where some framework kernels have no deterministic variant, they only warn)."""
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for message in ignored_warnings:
+        warnings.filterwarnings("ignore", message=message)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("chameleon_dist").setLevel(logging.WARNING)
+    logging.getLogger(framework_logger).setLevel(logging.WARNING)
+    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
 
 
 def params_sha256(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> str:

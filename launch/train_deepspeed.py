@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from rank_report import RankRecord, gather, params_sha256, schedule_of, write_report  # noqa: E402
+from rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
 from toy_gpt import Block, MoEFeedForward  # noqa: E402
 
 from chameleon_dist.config.loaders import config_from_deepspeed  # noqa: E402
@@ -353,12 +353,8 @@ def progress(args, iteration, loss, row, everyone, capacity_bytes, losses) -> No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("chameleon_dist").setLevel(logging.WARNING)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
+    launcher_setup("DeepSpeed")
     train(args)
     return 0
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rank_report import RankRecord, gather, params_sha256, schedule_of, write_report  # noqa: E402
+from rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
 
 from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args  # noqa: E402
 from chameleon_dist.models.shape import TransformerShape  # noqa: E402
@@ -272,13 +272,7 @@ def progress(args, iteration, loss, row, everyone, capacity_bytes, losses) -> No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*not installed.*")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("chameleon_dist").setLevel(logging.WARNING)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    # bit-for-bit comparable runs; on CUDA some of Megatron's kernels have no deterministic variant: warn there
-    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
+    launcher_setup("megatron", ignored_warnings=[".*(Apex|Transformer Engine).*not installed.*"])
     train(args)
     return 0
 

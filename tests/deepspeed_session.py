@@ -1,5 +1,7 @@
 """DeepSpeed on one gloo rank inside the test process, for the in-process DeepSpeed test modules.
 
+``TokenEmbedding`` and ``token_cross_entropy`` are the first layer and the loss of the test modules' pipelines.
+
 ``one_rank_deepspeed()`` is the body of a module-scoped fixture: it starts a one-rank gloo group (a free port;
 DeepSpeed's shared-memory CPU op is skipped, its build takes minutes), forgets the groups DeepSpeed cached for
 an earlier module's dead default group, and afterwards puts back ``torch.nn.functional.linear``, which
@@ -14,7 +16,24 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn import functional as F
+
+
+class TokenEmbedding(nn.Module):
+    """A pipeline's first layer: token ids in, hidden states out."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A pipeline's ``loss_fn``: cross entropy over every token position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _forget_deepspeed_groups() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 deepspeed = pytest.importorskip("deepspeed")
-from tests.deepspeed_session import one_rank_deepspeed  # noqa: E402
+from tests.deepspeed_session import TokenEmbedding, one_rank_deepspeed, token_cross_entropy  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from chameleon_dist.config import ConfigError  # noqa: E402
@@ -111,14 +111,6 @@ def test_a_bad_block_fails_before_deepspeed_builds_anything():
 def _pipeline_losses(chameleon: dict | None, batches: int = 4, micro_batches: int = 4):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    class Embed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, HIDDEN)
-
-        def forward(self, tokens):
-            return self.embed(tokens)
-
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -127,12 +119,10 @@ def _pipeline_losses(chameleon: dict | None, batches: int = 4, micro_batches: in
         def forward(self, x):
             return x + self.mlp(x)
 
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
     torch.manual_seed(0)
-    model = PipelineModule([LayerSpec(Embed), LayerSpec(Block), LayerSpec(Block), LayerSpec(nn.Linear, HIDDEN, VOCAB)],
-                           num_stages=1, loss_fn=loss_fn, partition_method="uniform")
+    model = PipelineModule([LayerSpec(TokenEmbedding, VOCAB, HIDDEN), LayerSpec(Block), LayerSpec(Block),
+                            LayerSpec(nn.Linear, HIDDEN, VOCAB)],
+                           num_stages=1, loss_fn=token_cross_entropy, partition_method="uniform")
     config = _config(1, accumulation=micro_batches, chameleon=chameleon)
     engine, *_ = initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config)
     losses, reports = [], []

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 deepspeed = pytest.importorskip("deepspeed")
-from tests.deepspeed_session import one_rank_deepspeed  # noqa: E402
+from tests.deepspeed_session import TokenEmbedding, one_rank_deepspeed, token_cross_entropy  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from chameleon_dist.integrations.deepspeed.engine import initialize  # noqa: E402
@@ -164,21 +164,10 @@ def test_run_window_replays_a_window_bit_identically(stage, bf16, phase_at):
 def _pipeline(fault: Fault):
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    class Embed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(VOCAB, HIDDEN)
-
-        def forward(self, tokens):
-            return self.embed(tokens)
-
-    def loss_fn(logits, labels):
-        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
     torch.manual_seed(0)
-    model = PipelineModule([LayerSpec(Embed), LayerSpec(Block), LayerSpec(FaultLayer, fault), LayerSpec(Block),
-                            LayerSpec(nn.Linear, HIDDEN, VOCAB)], num_stages=1, loss_fn=loss_fn,
-                           partition_method="uniform")
+    model = PipelineModule([LayerSpec(TokenEmbedding, VOCAB, HIDDEN), LayerSpec(Block), LayerSpec(FaultLayer, fault),
+                            LayerSpec(Block), LayerSpec(nn.Linear, HIDDEN, VOCAB)], num_stages=1,
+                           loss_fn=token_cross_entropy, partition_method="uniform")
     engine, *_ = initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                             config=_config(1))
     data = iter([(t[:, :-1], t[:, 1:]) for window in range(WINDOWS) for t in _micro_batches(window)])
