@@ -71,6 +71,7 @@ class RankRecord:
             "stage": report.stage,
             "passive_swaps": report.passive_swaps,
             "sequence_change_kind": report.sequence_change_kind,
+            "stage_transition": report.stage_transition,  # what changed stage after this iteration, and why
             "emulated": report.emulated,
         }
         self.iterations.append(row)

@@ -99,7 +99,10 @@ def test_report_holds_the_layout_and_every_rank(results):
     assert coordinates == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 0), (3, 1, 1, 0)]
     for rank in report["ranks"]:
         assert len(rank["iterations"]) == 6 and len(rank["params_sha256"]) == 64
-        assert {"peak_device_bytes", "swap_out_bytes", "stall_s", "iteration_s", "stage"} <= set(rank["iterations"][0])
+        assert {"peak_device_bytes", "swap_out_bytes", "stall_s", "iteration_s", "stage",
+                "stage_transition"} <= set(rank["iterations"][0])
+        transitions = [it["stage_transition"] for it in rank["iterations"] if it["stage_transition"]]
+        assert transitions and transitions[0].startswith("warmup -> gen_policy: "), transitions
         assert rank["iterations"][0]["stage"] == "warmup" and rank["iterations"][-1]["stage"] in ("gen_policy", "stable")
     dp = completed(results["tp2dp2-on"])
     assert dp["layout"]["dp"] == 2 and sorted(r["dp_rank"] for r in dp["ranks"]) == [0, 0, 1, 1]
