@@ -1,5 +1,7 @@
 """Finding policy entries for saved tensors without stable identities (executor/matching.py)."""
 
+import functools
+
 import torch
 
 from chameleon_dist.executor.matching import PolicyMatcher
@@ -138,3 +140,52 @@ def test_sites_name_micro_batch_and_layer_and_an_unchanged_iteration_matches_exa
     layers = {site.split(":")[1] for site in policy.save_sites}
     assert micro_batches == {"0", "1"} and {"0", "1"} <= layers
     assert report.matched_exact > 0 and report.matched_fuzzy == report.unmatched == report.skipped_entries == 0
+
+
+class _ScaledLayer(torch.nn.Module):
+    """``(x @ w) * x.mean(-1)``: the multiplication saves a small tensor and a large one at the same site (the
+    same op before them, dtype and dimensions), the small one first."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + self.proj(x) * x.mean(-1, keepdim=True)
+
+
+def test_saves_too_small_to_swap_keep_the_walk_aligned():
+    """A save under ``min_swap_bytes`` is never swapped, but it took a save ordinal in the trace: the executor
+    must walk past it too. When it did not, the large save after it at the same site took the small one's
+    ordinal (kept), and its own entry was passed over (``skipped_entries``) at the next site."""
+    from chameleon_dist import Chameleon
+    from chameleon_dist.device.emulated import EmulatedDevice
+
+    hidden = 64
+    batches = torch.randn(10, 4, 32, hidden, generator=torch.Generator().manual_seed(0))
+
+    def train(config, capacity_bytes):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential()
+        model.layers = torch.nn.ModuleList(_ScaledLayer(hidden) for _ in range(6))
+        model.forward = lambda x: functools.reduce(lambda h, layer: layer(h), model.layers, x)
+        chameleon = Chameleon(config, device=EmulatedDevice(capacity_bytes))
+        chameleon.attach(model)
+        losses, reports = [], []
+        for batch in batches:
+            losses.append(chameleon.run_iteration(lambda: _backward(model(batch).square().mean())))
+            reports.append(chameleon.last_report)
+        return losses, [p.grad for p in model.parameters()], reports
+
+    reference, grads, probe = train({"enabled": False}, 2**40)
+    losses, swapped_grads, reports = train({"min_swap_bytes": 1024}, int(0.7 * probe[0].peak_device_bytes))
+    assert all(torch.equal(a, b) for a, b in zip(reference, losses)) and all(
+        torch.equal(a, b) for a, b in zip(grads, swapped_grads))
+    stable = [r for r in reports if r.stage == "stable"]
+    assert stable and all(r.swap_out_bytes > 0 for r in stable)
+    assert all(r.skipped_entries == r.unmatched == 0 for r in stable), [(r.skipped_entries, r.unmatched) for r in stable]
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss.detach()

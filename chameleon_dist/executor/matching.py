@@ -35,6 +35,12 @@ from chameleon_dist.policy.model import Decision, Policy, PolicyEntry, save_key
 # - dtype and rank: not the shape, so that one policy serves every sequence length, batch size and expert
 #   load (the tensor actually saved is what moves; its size is not the traced one).
 #
+# The walk passes every first save of a strided storage, also those the executor never moves (under
+# ``min_swap_bytes``, a parameter's view, a protected buffer, a save inside backward): the trace numbered
+# them too. Walking only the movable ones let a large save take the ordinal of a small one before it at the
+# same site (kept), and its own entry was passed over (in Megatron's MoE layer, small per-expert saves share
+# their site with the experts' activations: 16 of 151 entries never fired, peaks 2 MiB over the prediction).
+#
 # The generator (policy/assemble.py) writes ``Policy.save_sites`` (from ``StepTrace.save_sites``, which the
 # executor reported while the trace was recorded) and ``Policy.save_keys`` ("dtype[shape]") per ordinal,
 # KEEPs included. At run time ``PolicyMatcher.match`` keeps a cursor into the policy's saves:
@@ -95,9 +101,11 @@ class PolicyMatcher:
         self._cursor = 0
         self.counts = MatchCounts()
 
-    def match(self, tensor: torch.Tensor, site: str) -> PolicyEntry | None:
+    def match(self, tensor: torch.Tensor, site: str, eligible: bool = True) -> PolicyEntry | None:
         """The entry for a storage saved first now at ``site``, or None to keep it on the device. Enforces
-        NOTE [Save-site matching]."""
+        NOTE [Save-site matching]. Every first save is walked, also one the executor never moves
+        (``eligible`` false: under ``min_swap_bytes``, a parameter's view, protected): it took an ordinal in
+        the trace too. Such a save gets no entry; an entry at its ordinal counts as skipped."""
         key = save_key(str(tensor.dtype).removeprefix("torch."), tensor.shape)
         symbols, start = self._symbols, self._cursor
         symbol = site if self.by_site else key
@@ -114,6 +122,9 @@ class PolicyMatcher:
         self._cursor = ordinal + 1
         entry = self._by_ordinal.get(ordinal)
         if entry is None:
+            return None
+        if not eligible:
+            self.counts.skipped += 1
             return None
         if self.policy.save_keys[ordinal] == key:
             self.counts.exact += 1

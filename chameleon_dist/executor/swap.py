@@ -299,16 +299,17 @@ class SwapExecutor(PressureRelief):
         if self._matcher is not None:
             self.device.release_completed_sources()  # (NOTE [Release after copy] in device/base.py)
         entry = None
-        if self._eligible(tensor):
+        eligible = self._eligible(tensor)
+        if self._matcher is not None and not seen and tensor.layout == torch.strided:
+            # every first save took an ordinal in the trace, eligible or not: the walk passes them all
+            planned = self._matcher.match(tensor, site, eligible=eligible)
+            if planned is not None:
+                entry = self._entry_for(tensor, planned)
+        elif eligible:
             if self._matcher is None:
                 entry = self._entry_for(tensor)
-            elif seen:  # another view of a storage already decided: swapped (shares its copy) or kept
-                if self._by_storage.get(storage_key(storage)) is not None:
-                    entry = self._entry_for(tensor)
-            else:
-                planned = self._matcher.match(tensor, site)
-                if planned is not None:
-                    entry = self._entry_for(tensor, planned)
+            elif self._by_storage.get(storage_key(storage)) is not None:
+                entry = self._entry_for(tensor)  # another view of a storage swapped: shares its copy
         if entry is not None:
             swapped = SwappedTensor(entry, tensor)
             self._packed.append(weakref.ref(swapped))
@@ -319,7 +320,7 @@ class SwapExecutor(PressureRelief):
         self._packed.append(weakref.ref(kept))
         if self.captures_producers:
             self._holders.note(storage, kept)
-        if self._matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and self._eligible(tensor):
+        if self._matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and eligible:
             self._kept.append(weakref.ref(kept))  # a passive swap may take it later
         return kept
 
