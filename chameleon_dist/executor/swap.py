@@ -93,7 +93,8 @@ class SwapExecutor(PressureRelief):
         self.counters = SwapCounters()
         self._protected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._protected_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
-        self._protected_keys: set[int] = set()
+        # storage key -> the storage: a key counts while that storage lives (a freed one's address gets reused)
+        self._protected_storages: dict[int, weakref.ReferenceType[torch.UntypedStorage]] = {}
         self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
         # storage key -> the entries whose bytes live there (swapped originals, restored copies): an
         # in-place write to one is counted on them (``note_writes``)
@@ -125,29 +126,37 @@ class SwapExecutor(PressureRelief):
 
     def protect_now(self, tensor: torch.Tensor) -> bool:
         """Protect ``tensor``'s storage until the next iteration begins; False if it already was."""
-        key = storage_key(tensor.untyped_storage())
-        if key in self._protected_keys:
+        storage = tensor.untyped_storage()
+        if self._protects(storage):
             return False
-        self._protected_keys.add(key)
+        self._protected_storages[storage_key(storage)] = weakref.ref(storage)
         return True
 
     def is_protected(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s storage is protected now (as the swap path checks it when autograd saves)."""
-        return storage_key(tensor.untyped_storage()) in self._protected_keys
+        return self._protects(tensor.untyped_storage())
 
     def unprotect_now(self, tensor: torch.Tensor) -> None:
         """Undo a ``protect_now`` that returned True (the storage is about to go: its address may be reused)."""
-        self._protected_keys.discard(storage_key(tensor.untyped_storage()))
+        self._protected_storages.pop(storage_key(tensor.untyped_storage()), None)
 
     def protected_keys(self) -> set[int]:
         """Storage keys of the protected tensors (as of now)."""
         self._refresh_protected()
-        return self._protected_keys
+        return {key for key, ref in self._protected_storages.items() if ref() is not None}
+
+    def _protects(self, storage: torch.UntypedStorage) -> bool:
+        """Whether ``storage`` is protected: its key is, and the storage protected under it is this one (a
+        storage's Python object lives exactly as long as the storage: a dead reference means freed, and
+        another storage may now sit at that address: ZeRO-3 frees gathered parameters every layer)."""
+        ref = self._protected_storages.get(storage_key(storage))
+        return ref is not None and ref() is storage
 
     def _refresh_protected(self) -> None:
         modules = (t for module in self._protected for t in [*module.parameters(), *module.buffers()])
-        self._protected_keys = self._holders.set_parameters(
-            [*modules, *(t for source in self._protected_sources for t in source())])
+        tensors = [*modules, *(t for source in self._protected_sources for t in source())]
+        self._holders.set_parameters(tensors)
+        self._protected_storages = {storage_key(t.untyped_storage()): weakref.ref(t.untyped_storage()) for t in tensors}
 
     @property
     def policy(self) -> Policy | None:
@@ -274,7 +283,7 @@ class SwapExecutor(PressureRelief):
         storage = tensor.untyped_storage()
         if storage.nbytes() < max(self.min_swap_bytes, 1):
             return False
-        if storage_key(storage) in self._protected_keys:
+        if self._protects(storage):
             return False
         return self.device.is_device_tensor(tensor)
 
