@@ -212,10 +212,9 @@ class StorageHolders:
         """A new attempt: the saves of the last one are gone (the parameters stay)."""
         self._saves.clear()
 
-    def set_parameters(self, tensors) -> set[int]:
-        """The protected parameters and buffers now; returns their storage keys."""
+    def set_parameters(self, tensors) -> None:
+        """The protected parameters and buffers now."""
         self._parameters = {storage_key(t.untyped_storage()): weakref.ref(t) for t in tensors}
-        return set(self._parameters)
 
     def note(self, storage: torch.UntypedStorage, packed: Any) -> None:
         self._saves[storage_key(storage)] = (weakref.ref(storage), weakref.ref(packed))

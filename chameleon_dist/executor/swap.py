@@ -156,7 +156,8 @@ class SwapExecutor(PressureRelief):
         modules = (t for module in self._protected for t in [*module.parameters(), *module.buffers()])
         tensors = [*modules, *(t for source in self._protected_sources for t in source())]
         self._holders.set_parameters(tensors)
-        self._protected_storages = {storage_key(t.untyped_storage()): weakref.ref(t.untyped_storage()) for t in tensors}
+        storages = (t.untyped_storage() for t in tensors)
+        self._protected_storages = {storage_key(storage): weakref.ref(storage) for storage in storages}
 
     @property
     def policy(self) -> Policy | None:
