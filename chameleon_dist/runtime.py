@@ -58,7 +58,9 @@ class _Running:
 
     stage: Stage
     policy: Policy | None
-    start_s: float
+    start_s: float  # host clock, for a failed iteration's report
+    timer: Any  # the device's timer: the iteration's time is device time (``iteration_start``)
+    iteration_start: Any
     stall_start_s: float  # the device's stall counter when the iteration began
     attempt_stall_start_s: float  # ... when the current attempt began (after an out-of-memory retry)
     observation: Observation | None = None
@@ -223,7 +225,9 @@ class Chameleon:
             if self.config.enabled else None
         stall_start_s = self.device.stall_s()
         self.device.reset_peak()
-        running = self._running = _Running(stage, policy, time.perf_counter(), stall_start_s, stall_start_s)
+        timer = self.device.timer()
+        running = self._running = _Running(stage, policy, time.perf_counter(), timer, timer.mark(), stall_start_s,
+                                           stall_start_s)
         try:
             observing = self.profiler.observe(
                 self._iteration + 1, self._models, self.executor.protected_keys, on_write=self.executor.note_writes,
@@ -252,7 +256,7 @@ class Chameleon:
         finally:
             self._running = None
         self._iteration += 1
-        iteration_s = time.perf_counter() - running.start_s
+        iteration_s = self._device_seconds(running)
         counters = running.counters
         outcome = IterationOutcome(
             iteration=self._iteration, stage=stage, policy=policy, peak_bytes=self.device.peak_bytes(),
@@ -273,6 +277,14 @@ class Chameleon:
             **self._measured_fields(running),
         )
         logger.debug("%s", self.last_report)
+
+    def _device_seconds(self, running: _Running) -> float:
+        """The iteration's device time: from a mark at its start to one at its end on the compute stream
+        (one synchronisation). On a GPU the host only queues kernels, so a host clock would rank policy
+        trials by how fast their kernels were queued; on the emulated device it is the device clock."""
+        end = running.timer.mark()
+        running.timer.resolve()
+        return running.timer.elapsed_s(running.iteration_start, end)
 
     def _policy_settings(self) -> PolicySettings:
         """What the controller generates policies for: this runtime's budget, device link and host pool."""

@@ -1,5 +1,6 @@
 """make_device: the device a configuration asks for, with errors that name the setting."""
 
+import math
 import pytest
 
 from chameleon_dist import Chameleon, ChameleonConfig, EmulatedDevice
@@ -13,7 +14,7 @@ def test_emulated_device_from_config():
     device = make_device(config)
     assert isinstance(device, EmulatedDevice)
     assert device.capacity_bytes == 64 * 2**20
-    assert device.h2d.bytes_per_s == 2e9 and device.d2h.bytes_per_s is None
+    assert device.h2d_bytes_per_s == 2e9 and device.d2h_bytes_per_s == math.inf  # an instant link
     assert device.host_pool.budget_bytes == 2**30
 
 

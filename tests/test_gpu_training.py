@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from chameleon_dist import Chameleon, EmulatedDevice
 from chameleon_dist.device.base import HostTimer
-from chameleon_dist.device.cuda import CudaEventTimer
+from chameleon_dist.device.stream_device import EventTimer
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.signature import OpVocabulary
 from chameleon_dist.trace import StepTrace
@@ -119,7 +119,11 @@ def test_cuda_event_timer_records_on_the_current_stream_and_synchronises_once(mo
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log["synchronize"].append(device))
-    timer = CudaEventTimer(torch.device("cuda", 0))
+    from chameleon_dist.device.cuda import CudaBackend
+
+    backend = CudaBackend.__new__(CudaBackend)  # (its constructor needs a GPU; the timer needs none of it)
+    backend.index, backend.torch_device = 0, torch.device("cuda", 0)
+    timer = EventTimer(backend)
     start, end = timer.mark(), timer.mark()
     assert start.stream is stream and end.stream is stream
     timer.resolve()
@@ -135,8 +139,9 @@ def test_cuda_device_hands_out_event_timers(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, value)
     from chameleon_dist.device.cuda import CudaDevice
 
-    assert isinstance(CudaDevice().timer(), CudaEventTimer)
-    assert isinstance(EmulatedDevice(10**6).timer(), HostTimer)
+    # one timer for both backends: events on the device's own clock (the emulated device's is simulated)
+    assert isinstance(CudaDevice().timer(), EventTimer)
+    assert isinstance(EmulatedDevice(10**6).timer(), EventTimer)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

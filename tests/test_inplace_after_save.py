@@ -136,7 +136,7 @@ def test_in_place_write_to_a_passively_swapped_tensor_raises(write, link):
                 del a
             loss = partial + pressure.sum()
             del pressure
-            chameleon.device.meter.capacity_bytes *= 4  # room for backward's temporaries
+            chameleon.device.backend.allocator.capacity_bytes *= 4  # room for backward's temporaries
             loss.backward()
 
 

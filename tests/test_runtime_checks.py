@@ -116,7 +116,7 @@ def test_pressure_handler_is_installed_only_when_swapping_is_on():
     off, on = EmulatedDevice(64 * MiB), EmulatedDevice(64 * MiB)
     Chameleon({"enabled": False}, device=off)
     Chameleon({"enabled": True}, device=on)
-    assert off.meter.pressure_handler is None and on.meter.pressure_handler is not None
+    assert off.dispatch.handler is None and on.dispatch.handler is not None
 
 
 def test_a_host_memory_budget_the_passed_device_contradicts_is_an_error():

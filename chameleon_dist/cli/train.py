@@ -83,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     enabled = config.model_copy(update={"enabled": True})
 
     device = train_job.constrained_device(enabled)
-    link = (
-        device.calibration.describe() if device.calibration is not None
-        else f"emulated link H2D {_rate(device.h2d.bytes_per_s)}, D2H {_rate(device.d2h.bytes_per_s)}"
-    )
+    link = device.describe()
     print(
         f"chameleon-train: Megatron-core GPTModel ({shape.num_layers} layers, hidden {shape.hidden_size}, "
         f"{shape.num_attention_heads} heads, seq {shape.seq_length}, micro-batch {shape.micro_batch_size} x "
@@ -124,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         "emulated": True,
         "job": job.model_dump(mode="json"),
         "device": {"name": device.name, "capacity_bytes": device.capacity_bytes,
-                   "h2d_bytes_per_s": device.h2d.bytes_per_s, "d2h_bytes_per_s": device.d2h.bytes_per_s},
+                   "h2d_bytes_per_s": device.h2d_bytes_per_s, "d2h_bytes_per_s": device.d2h_bytes_per_s,
+                   "model": device.model.as_json()},
         "runs": {result.label: _run_json(result) for _, result in runs},
         "parity": {**vars(parity), "bit_identical": parity.bit_identical},
         "plot": {"file": plot.name, "curves": [_curve_json(curve, run, timeline) for curve, (run, timeline) in curves]},

@@ -64,8 +64,8 @@ def device_conflicts(settings: Any, device: Any) -> list[str]:
                 device_rate = "an instant link" if math.isinf(rate) else f"{name} {rate:.6g}"
                 conflict(name, f"{getattr(settings, name)} bytes per second", device_rate)
     if "preset" in given and emulated:
-        calibration = getattr(device, "calibration", None)
-        preset = None if calibration is None else calibration.preset.name
+        model = getattr(device, "model", None)
+        preset = None if model is None else model.preset
         if preset != settings.preset:
             conflict("preset", repr(settings.preset), "no preset" if preset is None else f"preset {preset!r}")
     return problems

@@ -1,4 +1,5 @@
-"""Devices: the ``Device`` protocol, the real ``CudaDevice`` and the CPU ``EmulatedDevice``.
+"""Devices: the ``Device`` protocol and its one implementation ``StreamDevice`` over two backends: the real
+``CudaDevice`` and the CPU ``EmulatedDevice`` (a simulated GPU).
 
 ``CudaDevice`` is imported lazily so that importing this package never touches CUDA.
 """
@@ -7,7 +8,9 @@ from chameleon_dist.device.base import CopyHandle, Device, byte_view
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.device.host_pool import HostBufferPool
-from chameleon_dist.device.meter import EmulatedOutOfMemoryError
+from chameleon_dist.device.simulated.hazards import StreamHazardError
+from chameleon_dist.device.simulated.memory import EmulatedOutOfMemoryError
+from chameleon_dist.device.stream_device import StreamDevice
 from chameleon_dist.device.presets import PRESETS, AcceleratorPreset, calibrate
 
 __all__ = [
@@ -19,6 +22,8 @@ __all__ = [
     "EmulatedOutOfMemoryError",
     "HostBufferPool",
     "PRESETS",
+    "StreamDevice",
+    "StreamHazardError",
     "byte_view",
     "calibrate",
     "make_device",

@@ -20,27 +20,32 @@ from chameleon_dist.device.host_pool import HostBufferPool
 # NOTE [Release after copy]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # Memory that a copy reads or writes is never handed back for reuse before that copy has completed. The
-# device layer enforces this for each of the three kinds of memory a swap touches:
+# device layer (``StreamDevice``, over either backend: NOTE [One device code path] in ``device/backend.py``)
+# enforces this for each of the three kinds of memory a swap touches:
 #
 # - The swap-out's device source. ``copy_to_host`` returns at once and the caller drops its references
 #   right away: from then on the device holds the source storage, so its block cannot be freed while the
-#   copy reads it. The device lets go of it
-#   * ``EmulatedDevice``: on the link's worker thread, the moment its copy has completed (``link.py``);
-#     ``release_all_sources`` and ``release_completed_sources`` have nothing left to do;
-#   * ``CudaDevice``: at ``release_completed_sources`` (the copies whose done-event has fired; no waiting),
-#     or at ``release_all_sources``, the planned release point, which does not skip an unfinished copy but
-#     orders it on the GPU: the stream the block was allocated on waits for the copy's done-event (the host
-#     does not block) before the reference is dropped, and the caching allocator reuses blocks in stream
-#     order, so the block is handed out again only after the copy. No ``record_stream`` anywhere (the
-#     paper's "custom recordStream").
-# - The swap-in's device destination, allocated on the compute stream and written by the copy. On CUDA a
-#   handle dropped before anyone ``wait``-ed on it makes the compute stream wait for its copy on the way
-#   out (``CudaCopyHandle.__del__``); on the emulated device the link holds the destination until written.
+#   copy reads it. The copy waits on the stream that produced the storage (recorded at the save: a side
+#   stream's tensor is not copied before its producer finished), and that stream owns the block. The
+#   device lets go of it
+#   * at ``release_source(handle)``, a planned release point: the owning stream waits for the copy's
+#     done-event on the device (the host does not block) before the reference is dropped, and the caching
+#     allocator reuses blocks in stream order, so the block is handed out again only after the copy. On a
+#     GPU the host runs far ahead of the device, so a copy issued a few ops ago has usually not even
+#     started: a release that only took finished copies would free nothing in the forward pass;
+#   * at ``release_all_sources``, the same for every held source (backward begins, memory pressure, a retry);
+#   * at ``release_completed_sources``, the copies whose done-event has fired (no waiting, no stall).
+#   No ``record_stream`` anywhere (the paper's "custom recordStream").
+# - The swap-in's device destination, allocated on the compute stream and written by the copy. A handle
+#   dropped before anyone ``wait``-ed on it makes the compute stream wait for its copy on the way out
+#   (``StreamCopyHandle.__del__``).
 # - The host buffer in between. Callers give it back with ``release_host`` only after ``wait`` on the last
-#   copy that touches it (or once that copy is ``done()``). On CUDA, where ``wait`` does not block the
-#   host, the device keeps the buffer out of the pool until the done-event of its last copy has fired.
+#   copy that touches it (or once that copy is ``done()``); as ``wait`` does not block the host, the device
+#   keeps the buffer out of the pool until the done-event of its last copy has fired.
 #
-# The twin rule, "a swapped-in tensor is never read before its copy has completed", is ``wait``'s job.
+# The twin rule, "a swapped-in tensor is never read before its copy has completed", is ``wait``'s job. On
+# the emulated device the hazard checker (NOTE [Stream hazards] in ``device/simulated/hazards.py``) raises
+# whenever either rule would be broken on the device's timeline.
 # The policy simulator predicts the earliest release this rule allows; the executor picks the release points.
 
 
@@ -168,8 +173,14 @@ class Device(Protocol):
         """True when ``tensor`` lives in this device's memory (a swap candidate)."""
         ...
 
-    def copy_to_host(self, storage: torch.UntypedStorage) -> CopyHandle | None:
-        """Start copying ``storage`` to a host buffer; ``None`` when the host budget has no room.
+    def current_stream(self) -> object:
+        """The stream work is queued on now (recorded at a save: the saved tensor's producer)."""
+        ...
+
+    def copy_to_host(self, storage: torch.UntypedStorage, stream: object | None = None) -> CopyHandle | None:
+        """Start copying ``storage`` to a host buffer after the work queued so far on ``stream`` (the
+        producer's, from ``current_stream`` at the save; default: the current stream); ``None`` when the host
+        budget has no room.
 
         The device holds ``storage`` from now on; the caller drops its own references right away (see
         NOTE [Release after copy])."""
@@ -196,13 +207,20 @@ class Device(Protocol):
         stream may wait, counted as stall). Returns the bytes let go here. See NOTE [Release after copy]."""
         ...
 
+    def release_source(self, handle: CopyHandle) -> int:
+        """A planned release point: let go of ``handle``'s source and of every source issued before it,
+        ordered on the device (the owning stream waits for the copy; the host does not block). Returns the
+        bytes let go. See NOTE [Release after copy]."""
+        ...
+
     def release_completed_sources(self) -> int:
         """Let go of the swap-out sources whose copy has already completed; never waits, never stalls.
         Returns the bytes let go here. See NOTE [Release after copy]."""
         ...
 
     def set_pressure_handler(self, handler: PressureHandler | None) -> None:
-        """Install a callback tried before an out-of-memory error is raised (where supported)."""
+        """Install a callback tried when an op or a swap-in runs out of memory, before the op runs once
+        more (NOTE [Relief inside the op] in ``device/dispatch.py``)."""
         ...
 
     def synchronize(self) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device.model import DeviceModel
 
 if TYPE_CHECKING:
     from chameleon_dist.config import ChameleonConfig
@@ -45,10 +46,5 @@ def make_device(config: "ChameleonConfig") -> Device:
     if capacity_bytes is None:
         logger.info("emulated device without device.capacity: memory is metered but never runs out")
         capacity_bytes = UNBOUNDED_CAPACITY_BYTES
-    return EmulatedDevice(
-        capacity_bytes=capacity_bytes,
-        h2d_bytes_per_s=settings.h2d_bytes_per_s,
-        d2h_bytes_per_s=settings.d2h_bytes_per_s,
-        preset=settings.preset,
-        host_memory_budget_bytes=host_budget_bytes,
-    )
+    return EmulatedDevice(capacity_bytes=capacity_bytes, host_memory_budget_bytes=host_budget_bytes,
+                          model=DeviceModel.from_config(settings))

@@ -1,4 +1,6 @@
-"""Exact device-memory metering on CPU for the emulated device.
+"""Exact memory metering by storage in a dispatch mode: the meta-device traces of full-size models
+(``models/llama.py``) count their tensors with it. (The emulated device meters through its simulated
+backend: ``device/simulated/memory.py``.)
 
 A ``TorchDispatchMode`` sees every aten op run on the training thread (and in its backward pass). Each
 storage an op produces for the first time is counted once (views share their storage and cost nothing);
@@ -19,45 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from chameleon_dist.device.base import PressureHandler
-from chameleon_dist.units import format_bytes
+from chameleon_dist.device.simulated.memory import EmulatedOutOfMemoryError, storage_key
 
+__all__ = ["EmulatedOutOfMemoryError", "StorageMeter", "storage_key"]
 
-
-class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
-    """The emulated device ran out of memory; carries where and by how much, and whether swapping was on
-    (a pressure handler installed: the runtime installs one only when ``enabled``)."""
-
-    def __init__(
-        self,
-        op_name: str,
-        op_index: int,
-        requested_bytes: int,
-        live_bytes: int,
-        capacity_bytes: int,
-        swapping: bool = False,
-    ):
-        self.op_name = op_name
-        self.op_index = op_index
-        self.requested_bytes = requested_bytes
-        self.live_bytes = live_bytes
-        self.capacity_bytes = capacity_bytes
-        self.swapping = swapping
-        if swapping:
-            advice = ("Chameleon swapping is on and could not free enough: lower min_swap_bytes or the "
-                      "micro-batch size, or raise device.capacity.")
-        else:
-            advice = ("Chameleon swapping is off on this device: turn it on (enabled: true) or raise "
-                      "device.capacity.")
-        super().__init__(
-            f"emulated device out of memory in {op_name} (op #{op_index}): tried to allocate "
-            f"{format_bytes(requested_bytes)} with {format_bytes(live_bytes)} live of "
-            f"{format_bytes(capacity_bytes)} capacity (device.capacity). {advice}"
-        )
-
-
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """Identity of a live storage (its C++ StorageImpl address; shared by all views)."""
-    return storage._cdata
 
 
 class StorageMeter(TorchDispatchMode):

@@ -1,10 +1,17 @@
-"""Accelerator presets for the emulated link, scaled to this CPU's measured matmul throughput.
+"""Accelerator presets: the figures of a real node, and the old scaling of the emulated link to this CPU.
 
-On a real node what matters for swapping is the ratio of compute to host-link bandwidth (FLOP per link
-byte: ~13,000-18,000 on Ascend 910B, A100, H100 and H200 PCIe nodes). The emulated device computes on
-this CPU, so its link is slowed to keep that ratio against the CPU's own matmul rate:
+Each preset carries the public figures the simulated device's cost model needs (see
+:mod:`chameleon_dist.device.model`): peak FLOP/s per dtype (dense; fp32 without tensor cores, as PyTorch
+runs fp32 matmuls with TF32 off by default), HBM bandwidth, the device-side launch latency of a small
+kernel, the real host-link rates and how much of them each direction keeps while the other copies, each
+figure with its source in ``sources``. :meth:`AcceleratorPreset.device_model` turns them into a
+``DeviceModel``.
+
+``calibrate`` is the earlier scheme, kept until the simulated device replaces it: on a real node what
+matters for swapping is the ratio of compute to host-link bandwidth (FLOP per link byte: ~13,000-18,000
+on Ascend 910B, A100, H100 and H200 PCIe nodes), so the emulated link is slowed to keep that ratio
+against the CPU's own matmul rate:
 ``link_bytes_per_s = cpu_matmul_flop_per_s / (accel_peak_flop_per_s / accel_link_bytes_per_s)``.
-Figures are public peak numbers (dense, 16-bit) and measured pinned-copy bandwidths.
 """
 
 from __future__ import annotations
@@ -18,14 +25,38 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+# Sources named by the figures below (short forms; REFERENCE.md §3 lists the link and peak figures).
+_A100_SHEET = "NVIDIA A100 datasheet (A100 80GB PCIe column)"
+_H100_SHEET = "NVIDIA H100 datasheet (H100 PCIe column; its tensor figures with sparsity halved to dense)"
+_H200_SHEET = "NVIDIA H200 datasheet (H200 SXM column; its tensor figures with sparsity halved to dense)"
+_LAUNCH = ("launch_latency_s: ~3 us, the launch overhead of back-to-back null kernels on recent NVIDIA GPUs and "
+           "drivers (NVIDIA developer forum, 'Too much time for kernel launch latency', 233645)")
+_DUPLEX_A100 = ("duplex_factor: 0.70 = (11 + 24) / (25 + 25): nvbandwidth on A100 PCIe4, one-way ~25 GB/s each "
+                "way; both at once H2D ~11 GB/s, D2H ~24 GB/s (NVIDIA/nvbandwidth issues #53 and #11); one "
+                "factor for both directions that keeps the measured two-way total")
+_DUPLEX_GEN5 = _DUPLEX_A100 + "; no PCIe5 two-way measurement found, the PCIe4 factor is assumed"
+
+
 @dataclasses.dataclass(frozen=True)
 class AcceleratorPreset:
+    """One accelerator node's public figures.
+
+    ``peak_flop_per_s`` is the dense 16-bit peak (what ``calibrate`` scales by); ``dtype_peak_flop_per_s``
+    holds the peak per dtype name (``"float32"``, ``"bfloat16"``, ...; ``"default"`` for any other dtype).
+    ``h2d_bytes_per_s``/``d2h_bytes_per_s`` are real, measured pinned-copy rates (unscaled).
+    """
+
     name: str
     description: str
     peak_flop_per_s: float
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     memory_bytes: int
+    dtype_peak_flop_per_s: tuple[tuple[str, float], ...] = ()
+    memory_bytes_per_s: float | None = None
+    launch_latency_s: float | None = None
+    duplex_factor: float = 1.0
+    sources: tuple[str, ...] = ()
 
     @property
     def h2d_flop_per_byte(self) -> float:
@@ -35,16 +66,86 @@ class AcceleratorPreset:
     def d2h_flop_per_byte(self) -> float:
         return self.peak_flop_per_s / self.d2h_bytes_per_s
 
+    def dtype_peaks(self) -> dict[str, float]:
+        """Peak FLOP/s per dtype name, with ``"default"`` (the 16-bit peak when the preset names none)."""
+        peaks = dict(self.dtype_peak_flop_per_s)
+        peaks.setdefault("default", self.peak_flop_per_s)
+        return peaks
+
+    def device_model(self):
+        """This preset's figures as a :class:`~chameleon_dist.device.model.DeviceModel`."""
+        from chameleon_dist.device.model import DeviceModel
+
+        return DeviceModel.resolve(preset=self)
+
 
 PRESETS: tuple[AcceleratorPreset, ...] = (
-    AcceleratorPreset("ascend-910b", "Ascend 910B-class NPU node (313 TFLOPS fp16, ~23 GB/s host link)",
-                      313e12, 23e9, 23e9, 64 * 10**9),
-    AcceleratorPreset("h100-pcie", "H100 PCIe-class node (756 TFLOPS bf16, PCIe5 ~55 GB/s)",
-                      756e12, 55e9, 55e9, 80 * 10**9),
-    AcceleratorPreset("a100-pcie", "A100 80GB PCIe4-class node (312 TFLOPS bf16, ~25 GB/s)",
-                      312e12, 25e9, 25e9, 80 * 10**9),
-    AcceleratorPreset("h200", "H200-class node (989 TFLOPS bf16, PCIe5 ~55 GB/s, 141 GB)",
-                      989e12, 55e9, 55e9, 141 * 10**9),
+    AcceleratorPreset(
+        "ascend-910b", "Ascend 910B-class NPU node (313 TFLOPS fp16, ~23 GB/s host link)",
+        313e12, 23e9, 23e9, 64 * 10**9,
+        dtype_peak_flop_per_s=(("float16", 313e12), ("bfloat16", 313e12), ("float32", 313e12 / 4),
+                               ("default", 313e12 / 4)),
+        memory_bytes_per_s=1.6e12, launch_latency_s=3e-6, duplex_factor=0.70,
+        sources=(
+            "float16: 313 TFLOPS dense (REFERENCE.md §3, Huawei's public figure)",
+            "bfloat16: assumed equal to fp16 (the 910B cube unit runs both; no separate public figure found)",
+            "float32/default: no public fp32 figure found; estimate = fp16 / 4, replace with a measurement",
+            "memory_bytes_per_s: 1.6 TB/s, the commonly cited figure for 64 GB HBM2e (public figures vary "
+            "from 1.2 to 1.6 TB/s)",
+            "h2d/d2h_bytes_per_s: ~23 GB/s pinned copies, measured (REFERENCE.md §3)",
+            "launch_latency_s: no public Ascend figure found; the NVIDIA ~3 us is assumed",
+            _DUPLEX_GEN5.replace("no PCIe5", "no 910B"),
+        ),
+    ),
+    AcceleratorPreset(
+        "h100-pcie", "H100 PCIe-class node (756 TFLOPS bf16, PCIe5 ~55 GB/s)",
+        756e12, 55e9, 55e9, 80 * 10**9,
+        dtype_peak_flop_per_s=(("float32", 51e12), ("bfloat16", 756e12), ("float16", 756e12),
+                               ("float8_e4m3fn", 1513e12), ("float8_e5m2", 1513e12), ("float64", 51e12),
+                               ("default", 51e12)),
+        memory_bytes_per_s=2.0e12, launch_latency_s=3e-6, duplex_factor=0.70,
+        sources=(
+            f"float32/default: 51 TFLOPS (no tensor cores); float64: 51 TFLOPS (tensor cores); {_H100_SHEET}",
+            f"bfloat16/float16: 756 TFLOPS dense (1,513 with sparsity); float8: 1,513 dense; {_H100_SHEET}; "
+            "REFERENCE.md §3",
+            f"memory_bytes_per_s: 2.0 TB/s HBM2e; {_H100_SHEET}",
+            "h2d/d2h_bytes_per_s: ~55 GB/s pinned copies on PCIe5 x16, measured (REFERENCE.md §3)",
+            _LAUNCH,
+            _DUPLEX_GEN5,
+        ),
+    ),
+    AcceleratorPreset(
+        "a100-pcie", "A100 80GB PCIe4-class node (312 TFLOPS bf16, ~25 GB/s)",
+        312e12, 25e9, 25e9, 80 * 10**9,
+        dtype_peak_flop_per_s=(("float32", 19.5e12), ("bfloat16", 312e12), ("float16", 312e12),
+                               ("float64", 19.5e12), ("default", 19.5e12)),
+        memory_bytes_per_s=1.935e12, launch_latency_s=3e-6, duplex_factor=0.70,
+        sources=(
+            f"float32/default: 19.5 TFLOPS (no tensor cores; TF32 156); float64: 19.5 (tensor cores); {_A100_SHEET}",
+            f"bfloat16/float16: 312 TFLOPS dense (624 with sparsity); {_A100_SHEET}; REFERENCE.md §3",
+            f"memory_bytes_per_s: 1,935 GB/s HBM2e; {_A100_SHEET}",
+            "h2d/d2h_bytes_per_s: ~25 GB/s pinned copies on PCIe4 x16, measured (REFERENCE.md §3)",
+            _LAUNCH,
+            _DUPLEX_A100,
+        ),
+    ),
+    AcceleratorPreset(
+        "h200", "H200-class node (989 TFLOPS bf16, PCIe5 ~55 GB/s, 141 GB)",
+        989e12, 55e9, 55e9, 141 * 10**9,
+        dtype_peak_flop_per_s=(("float32", 67e12), ("bfloat16", 989e12), ("float16", 989e12),
+                               ("float8_e4m3fn", 1979e12), ("float8_e5m2", 1979e12), ("float64", 67e12),
+                               ("default", 67e12)),
+        memory_bytes_per_s=4.8e12, launch_latency_s=3e-6, duplex_factor=0.70,
+        sources=(
+            f"float32/default: 67 TFLOPS (no tensor cores); float64: 67 TFLOPS (tensor cores); {_H200_SHEET}",
+            f"bfloat16/float16: 989 TFLOPS dense (1,979 with sparsity); float8: 1,979 dense; {_H200_SHEET}; "
+            "REFERENCE.md §3",
+            f"memory_bytes_per_s: 4.8 TB/s HBM3e; {_H200_SHEET}",
+            "h2d/d2h_bytes_per_s: ~55 GB/s pinned copies on PCIe5 x16, measured (REFERENCE.md §3)",
+            _LAUNCH,
+            _DUPLEX_GEN5,
+        ),
+    ),
 )
 
 

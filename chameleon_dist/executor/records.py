@@ -28,15 +28,19 @@ class SwapEntry:
     schedule.py). Without a policy the copy is issued at the save."""
 
     __slots__ = (
-        "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device",
+        "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device", "stream",
         "planned", "writes", "source", "held", "issued", "out_in_forward", "refused", "recipe", "reused_source", "reuse_counted", "abandoned",
         "__weakref__",
     )
 
     def __init__(
-        self, device: "Device", source: torch.UntypedStorage, version: int, position: int, ordinal: int = -1
+        self, device: "Device", source: torch.UntypedStorage, version: int, position: int, ordinal: int = -1,
+        stream: object | None = None,
     ) -> None:
         self.nbytes = source.nbytes()
+        # the stream that produced the storage (current at the save): its copy waits on it, and its block
+        # goes back to it (NOTE [Release after copy] in device/base.py); None: the stream current at the copy
+        self.stream = stream
         self.version = version
         self.position = position  # index in the iteration's save order of swapped storages
         self.ordinal = ordinal  # the policy entry's save ordinal (-1: no policy)
@@ -65,7 +69,7 @@ class SwapEntry:
         room. Call once."""
         original = self.held if self.held is not None else self.source()
         self.issued = True
-        handle = self._device.copy_to_host(original) if original is not None else None
+        handle = self._device.copy_to_host(original, self.stream) if original is not None else None
         if handle is None:
             self.refused = original is not None
             return False
@@ -188,10 +192,11 @@ class KeptTensor:
     forward pass without backward) would never be freed. The alias shares the version counter, which
     restores autograd's in-place check."""
 
-    __slots__ = ("tensor", "version", "nbytes", "swapped", "root", "abandoned", "__weakref__")
+    __slots__ = ("tensor", "version", "nbytes", "swapped", "root", "abandoned", "stream", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, stream: object | None = None) -> None:
         self.tensor = tensor.detach()
+        self.stream = stream  # the stream current at the save (its producer's), should a passive swap take it
         self.version = tensor._version
         # the tensor that owns the version counter, should a passive swap drop the alias
         self.root = weakref.ref(tensor._base if tensor._base is not None else tensor)

@@ -223,8 +223,10 @@ class SwapExecutor(PressureRelief):
         """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
         yielded, emptied in place) and the save numbering describe only the attempt that completes, and
         the failed attempt's saved tensors give back their device and host memory (unpacking one later
-        raises). ``swap_everything`` drops the policy for the rest of the iteration (it did not hold)."""
+        raises), and the device lets go of every swap-out source it still holds for them (ordered after their
+        copies). ``swap_everything`` drops the policy for the rest of the iteration (it did not hold)."""
         self._abandon_attempt()
+        self.device.release_all_sources()
         fresh = SwapCounters()
         for field in dataclasses.fields(SwapCounters):
             setattr(self.counters, field.name, getattr(fresh, field.name))
@@ -306,8 +308,14 @@ class SwapExecutor(PressureRelief):
         site = self._site(tensor) if wanted else ""
         if self._context.observer is not None:
             self._context.observer.on_saved(tensor, site)
-        if self._matcher is not None:
-            self.device.release_completed_sources()  # (NOTE [Release after copy] in device/base.py)
+        if self._matcher is None:
+            # WarmUp swaps everything with no release points: each save lets go of the sources issued
+            # before it, ordered on the device (on a GPU the host runs ahead, so a copy is rarely done by
+            # then; waiting for that would keep the whole forward pass on the device, and the detailed
+            # trace would take the device's hold for the program's). NOTE [Release after copy]
+            self.device.release_all_sources()
+        else:
+            self.device.release_completed_sources()
         entry = None
         eligible = self._eligible(tensor)
         if self._matcher is not None and not seen and tensor.layout == torch.strided:
@@ -326,7 +334,7 @@ class SwapExecutor(PressureRelief):
             if self.captures_producers:  # (a recipe input whose own object died finds its storage here)
                 self._holders.note(storage, swapped)
             return swapped
-        kept = KeptTensor(tensor)
+        kept = KeptTensor(tensor, self.device.current_stream())
         self._packed.append(weakref.ref(kept))
         if self.captures_producers:
             self._holders.note(storage, kept)
@@ -349,7 +357,8 @@ class SwapExecutor(PressureRelief):
         self._saved_storages[key] = weakref.ref(storage)
         return False
 
-    def _entry_for(self, tensor: torch.Tensor, planned: PolicyEntry | None = None) -> SwapEntry | None:
+    def _entry_for(self, tensor: torch.Tensor, planned: PolicyEntry | None = None,
+                   stream: object | None = None) -> SwapEntry | None:
         """The entry ``tensor``'s storage leaves the device with: an existing one for the same bytes, else a
         new one. With a policy entry (``planned``), its swap-out, release and swap-in are scheduled on the
         op clock at the points the policy placed them, shifted by how far the sequence had moved at the
@@ -364,7 +373,8 @@ class SwapExecutor(PressureRelief):
         if planned is not None and planned.decision == Decision.RECOMPUTE:
             return self._recompute_entry(tensor, planned)
         entry = SwapEntry(self.device, storage, tensor._version, position=len(self._order),
-                          ordinal=planned.save_ordinal if planned is not None else -1)
+                          ordinal=planned.save_ordinal if planned is not None else -1,
+                          stream=stream if stream is not None else self.device.current_stream())
         op_count = self._context.op_clock() if planned is not None else -1
         if op_count >= 0:
             shift = op_count - planned.save_op_index
@@ -470,10 +480,11 @@ class SwapExecutor(PressureRelief):
                 if not entry.issued and not entry.restored and self._issue(entry):
                     entry.release()
             due = [entry for entry in placed.due(placed.releases, op_count) if entry.issued and not entry.refused]
-            if due:  # the planned release point: the device lets go of every source whose copy completed
-                self.device.release_completed_sources()
-                self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due
-                                            if entry.to_host is None or entry.to_host.done())
+            if due:  # the planned release point, ordered on the device: NOTE [Release after copy] in device/base.py
+                for entry in due:
+                    if entry.to_host is not None:
+                        self.device.release_source(entry.to_host)
+                self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due)
             if placed.swap_ins and placed.swap_ins[0][0] <= op_count:
                 self._fire_triggers(op_count)
         self.due_op = placed.next_op()

@@ -9,7 +9,6 @@ memory curve can be rebuilt. The work per op is kept small: tuples and dict look
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Callable
 
@@ -79,7 +78,7 @@ class TraceRecorder(TorchDispatchMode):
         self.layer_times = LayerTimes(timer if timer is not None else HostTimer())
         self._micro_batch = 0
         self._last_phase = FORWARD
-        self._start_s = time.perf_counter()
+        self._start_mark = self.layer_times.timer.mark()  # the trace's T_iter is device time
         self._start_live_bytes = live_bytes()
         self._handles: list = []
         self._finished = False
@@ -106,7 +105,7 @@ class TraceRecorder(TorchDispatchMode):
         self._micro_batch = 0
         self._last_phase = FORWARD
         self.optimizer_active = False
-        self._start_s = time.perf_counter()
+        self._start_mark = self.layer_times.timer.mark()
 
     # ---- modules ----------------------------------------------------------------------------
     def watch_modules(self, model: nn.Module) -> None:
@@ -278,6 +277,14 @@ class TraceRecorder(TorchDispatchMode):
         return tensor_id
 
     # ---- result -----------------------------------------------------------------------------
+    def _elapsed_s(self, end_mark) -> float:
+        """Device time from the attempt's start to ``end_mark`` (after ``LayerTimes.resolve``); 0.0 when the
+        device could not synchronise (a failed iteration)."""
+        try:
+            return self.layer_times.timer.elapsed_s(self._start_mark, end_mark)
+        except RuntimeError:
+            return 0.0
+
     def finish(self) -> StepTrace:
         """The trace. Layer times are read here, after one wait for the device (on a GPU, the iteration's
         time then includes its queued kernels too)."""
@@ -286,7 +293,9 @@ class TraceRecorder(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        end_mark = self.layer_times.timer.mark()
         forward_s, backward_s = self.layer_times.resolve()
+        iteration_s = self._elapsed_s(end_mark)
         self.ops = [OpRecord(*row) for row in self.ops]
         return StepTrace(
             iteration=self.iteration,
@@ -296,7 +305,7 @@ class TraceRecorder(TorchDispatchMode):
             tensors=self.tensors,
             storages=self.storages,
             swaps=self.swaps,
-            iteration_s=time.perf_counter() - self._start_s,
+            iteration_s=iteration_s,
             start_live_bytes=self._start_live_bytes,
             layer_times_s=forward_s,
             layer_backward_times_s=backward_s,

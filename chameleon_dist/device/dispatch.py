@@ -1,0 +1,80 @@
+"""``DeviceDispatch``: every op of an iteration runs through the device's backend here, and an op that runs
+out of memory is relieved and retried once, the same way on a GPU and on the emulated device.
+
+NOTE [Relief inside the op]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The CUDA caching allocator raises ``torch.OutOfMemoryError`` inside the allocating op, after freeing its
+own cached blocks; its out-of-memory observers cannot make it retry, and its free-memory callbacks run
+under the allocator's lock. So relief belongs around the op, at the dispatcher: this mode catches the
+error, leaves the ``except`` block (its traceback holds the op's arguments and would pin them), lets the
+pressure handler free memory (the executor's NOTE [Relief under pressure]: stream-ordered release of held
+sources, evicting prefetched tensors, passive swap of idle kept tensors), and runs the op once more. The
+simulated backend raises at the allocation too, before the op's outputs exist, so both devices take this
+path. Never retried: ops that write their inputs (a partial write cannot be undone), ops that draw random
+numbers (a retry would shift the generator), collectives (the other ranks are inside them), anything while
+a CUDA graph is captured, and any op while relief itself runs (its own ops do not re-enter it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from chameleon_dist.device.base import PressureHandler
+from chameleon_dist.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"})
+
+
+def retryable(func) -> bool:
+    """Whether an op that ran out of memory may run again after relief (NOTE [Relief inside the op])."""
+    if func._schema.is_mutable:
+        return False
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    return func.namespace not in _COLLECTIVE_NAMESPACES
+
+
+class DeviceDispatch(TorchDispatchMode):
+    """Runs each op through ``backend.run_op``; relieves and retries one that runs out of memory."""
+
+    def __init__(self, backend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.handler: PressureHandler | None = None
+        self.relieving = False
+        self.relieved_ops = 0  # ops that ran out of memory, were relieved and ran again
+        self.relief_freed_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        backend = self.backend
+        try:
+            return backend.run_op(func, args, kwargs)
+        except torch.OutOfMemoryError as error:
+            if self.handler is None or self.relieving or backend.is_capturing() or not retryable(func):
+                raise
+            short_bytes = backend.short_bytes(error, func, args, kwargs)
+        self.relieve(short_bytes, str(func))  # outside the except block: NOTE [Relief inside the op]
+        self.relieved_ops += 1
+        return backend.run_op(func, args, kwargs)
+
+    def relieve(self, short_bytes: int, what: str) -> int:
+        """Ask the pressure handler for ``short_bytes``; its own ops never re-enter relief."""
+        handler = self.handler
+        if handler is None or self.relieving:
+            return 0
+        self.relieving = True
+        try:
+            with self.backend.host_side():
+                freed_bytes = handler(short_bytes)
+        finally:
+            self.relieving = False
+        self.relief_freed_bytes += freed_bytes
+        logger.debug("out of memory in %s (%s short): relief freed %s; retrying once", what,
+                     format_bytes(short_bytes), format_bytes(freed_bytes))
+        return freed_bytes

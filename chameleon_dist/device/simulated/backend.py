@@ -1,0 +1,244 @@
+"""``SimulatedBackend``: the backend of the emulated device (NOTE [One device code path] in
+``device/backend.py``). Tensors are CPU tensors computed eagerly; time follows the device clock (NOTE [The
+simulated device clock] in ``clock.py``), memory the caching allocator (``memory.py``), and every access is
+checked for stream hazards (NOTE [Stream hazards] in ``hazards.py``). It never sleeps."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from typing import Iterator
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from chameleon_dist.device.cost import KernelCostModel
+from chameleon_dist.device.model import DeviceModel
+from chameleon_dist.device.simulated.clock import DeviceClock, SimEvent, SimStream, link_pair
+from chameleon_dist.device.simulated.hazards import HazardChecker
+from chameleon_dist.device.simulated.memory import SimAllocator, storage_key
+
+_aten = torch.ops.aten
+# ops that allocate or relabel memory but launch no kernel on a GPU
+_NO_KERNEL = frozenset({
+    _aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default, _aten.new_empty.default,
+    _aten.new_empty_strided.default, _aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset,
+    _aten.set_.source_Tensor, _aten.set_.default, _aten.lift_fresh.default,
+})
+# torch.tensor(data) builds its tensor below the dispatcher and only then passes it through lift_fresh: the
+# "input" of that op is a brand-new storage, not an existing one
+_FRESH_FROM_DATA = frozenset({_aten.lift_fresh.default, _aten.lift_fresh_copy.default})
+
+
+def _strided(leaves) -> list[torch.Tensor]:
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"]
+
+
+class SimulatedBackend:
+    """A GPU's streams, clock and allocator over CPU tensors (see the module docstring).
+
+    Args:
+        capacity_bytes: device memory; an allocation past it raises ``torch.OutOfMemoryError``.
+        model: the figures of the modelled accelerator (``DeviceModel``: roofline rates, launch latency,
+            link rates, host cost per op or None for the measured host time).
+        check_hazards: raise ``StreamHazardError`` on a racing access (on by default; NOTE [Stream hazards]).
+    """
+
+    emulated = True
+
+    def __init__(self, capacity_bytes: int, model: DeviceModel, check_hazards: bool = True) -> None:
+        self.capacity_bytes = int(capacity_bytes)
+        self.model = model
+        self.clock = DeviceClock()
+        self.compute_stream = SimStream(self.clock, "compute")
+        self.h2d_link, self.d2h_link = link_pair(model.h2d_bytes_per_s, model.d2h_bytes_per_s, model.duplex_factor)
+        self.hazards = HazardChecker(check_hazards)
+        self.allocator = SimAllocator(self.capacity_bytes, self.hazards)
+        self.cost = KernelCostModel(model)
+        self.name = "simulated"
+        self.op_index = 0  # device ops of the current iteration (in out-of-memory messages)
+        self.kernels = 0
+        self.kernel_busy_s = 0.0  # device seconds the compute streams ran kernels
+        self._host_op_s = model.host_op_s
+        self._wall_mark_s = time.perf_counter()
+        self._local = threading.local()
+        self._stream_numbers = itertools.count(1)
+
+    # ---- the host clock ---------------------------------------------------------------------
+    def _host_work(self) -> None:
+        """The host did its own work since the last kernel: measured, or a fixed cost per call."""
+        if self._host_op_s is None:
+            now_s = time.perf_counter()
+            self.clock.advance_host(now_s - self._wall_mark_s)
+            self._wall_mark_s = now_s
+        else:
+            self.clock.advance_host(self._host_op_s)
+
+    def _kernel_done(self) -> None:
+        """The CPU's eager computation of a kernel is not host time: restart the host measurement."""
+        self._wall_mark_s = time.perf_counter()
+
+    # ---- streams and events -----------------------------------------------------------------
+    def current_stream(self) -> SimStream:
+        stream = getattr(self._local, "stream", None)
+        return stream if stream is not None else self.compute_stream
+
+    def new_stream(self, name: str | None = None) -> SimStream:
+        return SimStream(self.clock, name or f"side-{next(self._stream_numbers)}")
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: SimStream) -> Iterator[None]:
+        before = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = before
+
+    def new_event(self, timing: bool = False) -> SimEvent:
+        return SimEvent(self.clock, timing)
+
+    def elapsed_s(self, start: SimEvent, end: SimEvent) -> float:
+        return start.elapsed_s(end)
+
+    def synchronize(self) -> None:
+        self.clock.wait_for(self.clock.device_idle_s())
+
+    def is_capturing(self) -> bool:
+        return False
+
+    # ---- memory -----------------------------------------------------------------------------
+    def live_bytes(self) -> int:
+        return self.allocator.live_bytes
+
+    def peak_bytes(self) -> int:
+        return self.allocator.peak_bytes
+
+    def reset_peak(self) -> None:
+        self.allocator.reset_peak()
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and self.allocator.block_of(tensor.untyped_storage()) is not None
+
+    def track(self, tensor: torch.Tensor) -> None:
+        self.allocator.track(tensor.untyped_storage(), self.current_stream())
+
+    def host_allocator(self) -> None:
+        return None  # plain CPU tensors (made inside ``host_side``)
+
+    @contextlib.contextmanager
+    def host_side(self) -> Iterator[None]:
+        before = getattr(self._local, "paused", False)
+        self._local.paused = True
+        try:
+            yield
+        finally:
+            self._local.paused = before
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        self._host_work()
+        with self.host_side():
+            tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.allocator.allocate([tensor.untyped_storage()], self.current_stream(), "a swap-in's allocation",
+                                self.op_index)
+        return tensor
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self.op_index = 0
+        yield
+        self.hazards.raise_pending()
+
+    def random_state(self) -> None:
+        """Emulated "device" tensors are CPU tensors: they draw from the CPU generator."""
+        return None
+
+    def set_random_state(self, state: torch.Tensor) -> None:
+        raise ValueError("the emulated device has no random generator of its own (random_state() is None)")
+
+    # ---- work ---------------------------------------------------------------------------------
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """``destination.copy_(source)`` on the current stream: over the link when it crosses it, else a
+        device-to-device kernel; the data is copied now (the hazard checker guards the timeline)."""
+        self._host_work()
+        self.hazards.raise_pending()
+        stream = self.current_stream()
+        allocator = self.allocator
+        source_block = allocator.block_of(source.untyped_storage()) if source.device.type == "cpu" else None
+        destination_block = allocator.block_of(destination.untyped_storage())
+        nbytes = destination.numel() * destination.element_size()
+        if source_block is not None and destination_block is None:
+            start_s, end_s = self.d2h_link.copy(stream, nbytes)
+        elif destination_block is not None and source_block is None:
+            start_s, end_s = self.h2d_link.copy(stream, nbytes)
+        else:
+            start_s, end_s = stream.launch(2 * nbytes / self.model.memory_bytes_per_s + self.model.launch_latency_s)
+        if source_block is not None:
+            self.hazards.access(source_block, stream, start_s, end_s, False, "a copy reading its source")
+        if destination_block is not None:
+            self.hazards.access(destination_block, stream, start_s, end_s, True, "a copy writing its destination")
+        with self.host_side():
+            destination.copy_(source)
+        self._kernel_done()
+
+    def run_op(self, func, args: tuple, kwargs: dict):
+        """Run one op as the device would: the host queues it (host clock), its new blocks are allocated
+        on the current stream (or ``torch.OutOfMemoryError`` before anyone sees its outputs), its kernel
+        occupies the stream for the roofline cost, and its accesses are checked for hazards."""
+        if getattr(self._local, "paused", False):
+            return func(*args, **kwargs)
+        self._host_work()
+        self.hazards.raise_pending()
+        stream = self.current_stream()
+        out = func(*args, **kwargs)
+        self._kernel_done()
+        self.op_index += 1
+        outputs = _strided(tree_leaves(out))
+        inputs = None
+        if outputs:
+            allocator = self.allocator
+            if func in _FRESH_FROM_DATA:
+                fresh = allocator.new_storages(outputs, set)
+            else:
+                inputs = _strided(tree_leaves((args, kwargs)))
+                fresh = allocator.new_storages(outputs, lambda: {storage_key(t.untyped_storage()) for t in inputs})
+            if fresh:
+                try:
+                    allocator.allocate(fresh, stream, str(func), self.op_index)
+                except torch.OutOfMemoryError:
+                    del out, outputs, fresh  # the op's outputs never reach anyone (the error's frames hold this one)
+                    raise
+        if func in _NO_KERNEL:
+            return out
+        kernel_s = self.cost.kernel_s(func, args, kwargs, out)
+        if kernel_s is not None:
+            start_s, end_s = stream.launch(kernel_s)
+            self.kernels += 1
+            self.kernel_busy_s += kernel_s
+            if self.hazards.enabled:
+                self._check_kernel(func, stream, start_s, end_s, inputs if inputs is not None else
+                                   _strided(tree_leaves((args, kwargs))), outputs)
+        if self.cost.is_host_sync(func):
+            self.clock.wait_for(stream.ready_s)  # e.g. .item(): the host waits for the value
+        return out
+
+    def _check_kernel(self, func, stream: SimStream, start_s: float, end_s: float, inputs, outputs) -> None:
+        block_of = self.allocator.block_of
+        written = {storage_key(t.untyped_storage()) for t in outputs}
+        what = f"kernel {func}"
+        for t in inputs:
+            storage = t.untyped_storage()
+            if storage_key(storage) not in written:
+                block = block_of(storage)
+                if block is not None:
+                    self.hazards.access(block, stream, start_s, end_s, False, what)
+        for t in outputs:
+            block = block_of(t.untyped_storage())
+            if block is not None:
+                self.hazards.access(block, stream, start_s, end_s, True, what)
+
+    def short_bytes(self, error: torch.OutOfMemoryError, func, args: tuple, kwargs: dict) -> int:
+        """How many bytes the failed allocation was short of (exact here: the allocator says)."""
+        return getattr(error, "short_bytes", 1)

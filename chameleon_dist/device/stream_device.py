@@ -1,0 +1,342 @@
+"""``StreamDevice``: the one device implementation behind the ``Device`` protocol, over a backend (NOTE [One
+device code path] in ``device/backend.py``): the CUDA backend on a GPU, the simulated one on the CPU.
+
+One copy stream per direction, done-events for ordering, a host pool (pinned on CUDA), stream-ordered
+release of swap-out sources, and relief of memory pressure at the dispatcher (``device/dispatch.py``).
+Blocks are released after their copies by events and stream waits, never by ``record_stream`` and never by
+the host polling in a loop: see NOTE [Release after copy] in ``device/base.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections import deque
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from chameleon_dist.device.backend import Backend
+from chameleon_dist.device.base import PressureHandler, byte_view
+from chameleon_dist.device.dispatch import DeviceDispatch
+from chameleon_dist.device.host_pool import HostBufferPool
+from chameleon_dist.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+_STALL_PAIRS_BEFORE_FOLD = 1024  # timing-event pairs kept before completed ones are folded into the total
+
+
+class StreamCopyHandle:
+    """One copy on a copy stream. ``result`` is the destination byte view; ``event`` marks completion.
+
+    ``guard`` is the stream whose allocator owns the device block involved (the swapped-out source's
+    producing stream, or the swapped-in destination's compute stream); it is cleared once that stream has
+    been ordered after the copy. A handle dropped while still guarded (e.g. a prefetch never waited on)
+    makes the stream wait for its copy on the way out (NOTE [Release after copy] in ``device/base.py``)."""
+
+    __slots__ = ("nbytes", "result", "event", "source", "guard", "__weakref__")
+
+    def __init__(self, result: torch.Tensor, event, guard, source: torch.UntypedStorage | None = None) -> None:
+        self.nbytes = result.numel()
+        self.result = result
+        self.event = event
+        self.guard = guard
+        self.source = source  # swap-outs only: the device storage being read
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def __del__(self) -> None:
+        guard = self.guard
+        if guard is not None:
+            try:
+                if not self.event.query():
+                    guard.wait_event(self.event)
+            except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter shutdown)
+                pass
+
+
+class EventTimer:
+    """Layer and iteration times on the device (``DeviceTimer``): each mark is a timing event recorded on the
+    current stream (forward hooks run on the training thread, backward hooks under the stream of the op
+    they precede). ``resolve`` synchronises once; ``elapsed_s`` then reads the device's own timestamps, so a
+    time is the kernels' execution, not the host's time to launch them."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    def mark(self):
+        event = self._backend.new_event(timing=True)
+        event.record(self._backend.current_stream())
+        return event
+
+    def resolve(self) -> None:
+        self._backend.synchronize()
+
+    def elapsed_s(self, start, end) -> float:
+        return self._backend.elapsed_s(start, end)
+
+
+class StreamDevice:
+    """A device seen through the ``Device`` protocol, over ``backend`` (see the module docstring).
+
+    Methods are called from one thread at a time (the training thread, or autograd's device thread during
+    backward, which do not run concurrently). ``d2h_bytes_per_s`` / ``h2d_bytes_per_s`` are the host link's
+    rates the policy plans with (``None``: unknown; ``math.inf``: an instant link)."""
+
+    def __init__(self, backend: Backend, host_memory_budget_bytes: int | None = None,
+                 d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None) -> None:
+        for direction, rate in (("d2h", d2h_bytes_per_s), ("h2d", h2d_bytes_per_s)):
+            if rate is not None and not rate > 0:
+                raise ValueError(f"device.{direction}_bytes_per_s must be > 0 bytes/s, got {rate}")
+        self.backend = backend
+        self.name = backend.name
+        self.emulated = backend.emulated
+        self.capacity_bytes = backend.capacity_bytes
+        self._d2h_rate = None if d2h_bytes_per_s is None else float(d2h_bytes_per_s)
+        self._h2d_rate = None if h2d_bytes_per_s is None else float(h2d_bytes_per_s)
+        allocate = backend.host_allocator()
+        self.host_pool = HostBufferPool(host_memory_budget_bytes, **({} if allocate is None else {"allocate": allocate}))
+        self._d2h_stream = backend.new_stream("d2h")
+        self._h2d_stream = backend.new_stream("h2d")
+        self.dispatch = DeviceDispatch(backend)
+        self._held_sources: deque[StreamCopyHandle] = deque()  # swap-outs whose source is held; issue order
+        self._pending_host: list[tuple[torch.Tensor, Any]] = []  # (buffer, event of its last copy)
+        self._host_last_copy: dict[int, Any] = {}  # host buffer address -> done-event of its last copy
+        self._stall_pairs: list[tuple[Any, Any]] = []
+        self._stall_s = 0.0
+
+    # ---- link -------------------------------------------------------------------------------
+    @property
+    def d2h_bytes_per_s(self) -> float | None:
+        return self._d2h_rate
+
+    @property
+    def h2d_bytes_per_s(self) -> float | None:
+        return self._h2d_rate
+
+    # ---- accounting -------------------------------------------------------------------------
+    def live_bytes(self) -> int:
+        return self.backend.live_bytes()
+
+    def peak_bytes(self) -> int:
+        return self.backend.peak_bytes()
+
+    def reset_peak(self) -> None:
+        self.backend.reset_peak()
+
+    def stall_s(self) -> float:
+        """Device seconds the streams sat in ``wait_event`` on copies (resolved lazily)."""
+        for start, end in self._stall_pairs:
+            end.synchronize()
+            self._stall_s += self.backend.elapsed_s(start, end)
+        self._stall_pairs.clear()
+        return self._stall_s
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Every op of the iteration on this thread (and of its backward pass) runs through the dispatch
+        layer: the backend meters and times it, and an op that runs out of memory is relieved once."""
+        with self.backend.active(), self.dispatch:
+            yield
+
+    def track_module(self, module: nn.Module) -> None:
+        """Count ``module``'s parameters and buffers as device memory (the simulated backend; the CUDA
+        allocator counts them already) and warn about ones that live elsewhere."""
+        tensors = list(itertools.chain(module.named_parameters(), module.named_buffers()))
+        for _, tensor in tensors:
+            self.backend.track(tensor)
+        elsewhere = [name for name, tensor in tensors if not self.is_device_tensor(tensor)]
+        if elsewhere:
+            logger.warning("%d parameters/buffers of %s are not on %s (first: %s)", len(elsewhere),
+                           type(module).__name__, self.name, elsewhere[0])
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count a tensor made outside an iteration (e.g. a batch moved "to the device")."""
+        self.backend.track(tensor)
+        return tensor
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        return self.backend.is_device_tensor(tensor)
+
+    def current_stream(self):
+        """The stream work is queued on now (a saved tensor's producer: recorded at the save)."""
+        return self.backend.current_stream()
+
+    # ---- copies -----------------------------------------------------------------------------
+    def copy_to_host(self, storage: torch.UntypedStorage, stream=None) -> StreamCopyHandle | None:
+        """Copy ``storage`` to a host buffer after the work queued so far on ``stream`` (its producer's
+        stream, default the current one), which also owns its block: the release orders that stream."""
+        self._release_finished_host_buffers()
+        self.release_completed_sources()
+        backend = self.backend
+        with backend.host_side():
+            host = self.host_pool.acquire(storage.nbytes())
+            source = byte_view(storage)
+        if host is None:
+            return None
+        producer = stream if stream is not None else backend.current_stream()
+        self._d2h_stream.wait_stream(producer)  # the storage's producers come first
+        with backend.use_stream(self._d2h_stream):
+            backend.copy(host, source)
+        done = backend.new_event()
+        done.record(self._d2h_stream)
+        self._note_host_copy(host, done)
+        handle = StreamCopyHandle(host, done, guard=producer, source=storage)
+        self._held_sources.append(handle)
+        return handle
+
+    def copy_to_device(self, host: torch.Tensor, after: StreamCopyHandle | None = None) -> StreamCopyHandle:
+        """The destination is allocated on (and freed back to) the current stream, written on the H2D
+        stream; the current stream reads it only after ``wait`` (or the handle's guard) orders it."""
+        backend = self.backend
+        compute = backend.current_stream()
+        destination = self._allocate_device_bytes(host.numel())
+        self._h2d_stream.wait_stream(compute)  # the allocation (a possibly reused block) comes first
+        previous = after.event if after is not None else None
+        if previous is None and host.numel():
+            previous = self._host_last_copy.get(host.data_ptr())
+        if previous is not None and not previous.query():
+            self._h2d_stream.wait_event(previous)  # its swap-out must have landed, even if never waited on
+        with backend.use_stream(self._h2d_stream):
+            backend.copy(destination, host)
+        done = backend.new_event()
+        done.record(self._h2d_stream)
+        self._note_host_copy(host, done)
+        return StreamCopyHandle(destination, done, guard=compute)
+
+    def wait(self, handle: StreamCopyHandle) -> torch.Tensor:
+        """Order the current stream after the copy on the device (the host does not block)."""
+        stream = self.backend.current_stream()
+        if not handle.done():
+            self._timed_wait(stream, handle.event)
+        if handle.guard is not None and (handle.guard is stream or handle.guard == stream or handle.done()):
+            handle.guard = None
+        return handle.result
+
+    def release_host(self, host: torch.Tensor) -> None:
+        """Back to the pool now if its last copy has completed, else once its done-event has fired (checked
+        again in ``copy_to_host``, ``release_all_sources`` and ``synchronize``)."""
+        event = self._host_last_copy.pop(host.data_ptr(), None) if host.numel() else None
+        if event is None or event.query():
+            self.host_pool.release(host)
+        else:
+            self._pending_host.append((host, event))
+
+    def release_all_sources(self) -> int:
+        """Let go of EVERY held swap-out source, finished or not, and return their bytes (NOTE [Release after
+        copy] in ``device/base.py``)."""
+        self._release_finished_host_buffers()
+        return self._release_through(len(self._held_sources))
+
+    def release_source(self, handle: StreamCopyHandle) -> int:
+        """The planned release of one swap-out: let go of its source, and of every source issued before it
+        (copies on one stream complete in issue order), ordered on the device: each owning stream waits on
+        the newest unfinished copy's done-event, then the references go. The host never blocks, the owning
+        stream may wait (stall). Returns the bytes let go; 0 when it was let go already."""
+        for position, held in enumerate(self._held_sources):
+            if held is handle:
+                return self._release_through(position + 1)
+        return 0
+
+    def release_completed_sources(self) -> int:
+        """The earliest release, without waiting: let go of the held swap-out sources whose copy's
+        done-event has fired and return their bytes (the scan stops at the first unfinished one)."""
+        released_bytes = 0
+        while self._held_sources and self._held_sources[0].done():
+            released_bytes += self._let_go_oldest_source()
+        return released_bytes
+
+    def set_pressure_handler(self, handler: PressureHandler | None) -> None:
+        """Tried when an op or a swap-in allocation runs out of memory, before it runs once more."""
+        self.dispatch.handler = handler
+        allocator = getattr(self.backend, "allocator", None)
+        if allocator is not None:
+            allocator.swapping = handler is not None
+
+    def timer(self) -> EventTimer:
+        """Timing events on this device's current stream (see ``EventTimer``)."""
+        return EventTimer(self.backend)
+
+    def random_state(self) -> torch.Tensor | None:
+        return self.backend.random_state()
+
+    def set_random_state(self, state: torch.Tensor) -> None:
+        self.backend.set_random_state(state)
+
+    def synchronize(self) -> None:
+        """Block the host until both copy streams are idle, then let go of every finished source and buffer."""
+        self._d2h_stream.synchronize()
+        self._h2d_stream.synchronize()
+        self.release_completed_sources()
+        self._release_finished_host_buffers()
+        self._host_last_copy.clear()  # every copy recorded so far has completed
+
+    # ---- internals --------------------------------------------------------------------------
+    def _release_through(self, count: int) -> int:
+        """Let go of the oldest ``count`` held sources, each owning stream first ordered after its newest
+        unfinished copy among them (timed as stall)."""
+        latest_unfinished: dict[Any, Any] = {}
+        for handle in itertools.islice(self._held_sources, count):
+            if handle.guard is not None and not handle.done():
+                latest_unfinished[handle.guard] = handle.event
+        for stream, event in latest_unfinished.items():
+            self._timed_wait(stream, event)
+        released_bytes = 0
+        for _ in range(count):
+            released_bytes += self._let_go_oldest_source()
+        return released_bytes
+
+    def _allocate_device_bytes(self, nbytes: int) -> torch.Tensor:
+        try:
+            return self.backend.allocate(nbytes)
+        except torch.OutOfMemoryError as error:
+            if self.dispatch.handler is None or self.dispatch.relieving:
+                raise
+            short_bytes = getattr(error, "short_bytes", None) or nbytes
+        # outside the except block, so the traceback's frames do not pin tensors during the retry
+        self.dispatch.relieve(short_bytes, f"a {format_bytes(nbytes)} swap-in")
+        return self.backend.allocate(nbytes)
+
+    def _timed_wait(self, stream, event) -> None:
+        backend = self.backend
+        start = backend.new_event(timing=True)
+        end = backend.new_event(timing=True)
+        start.record(stream)
+        stream.wait_event(event)
+        end.record(stream)
+        self._stall_pairs.append((start, end))
+        if len(self._stall_pairs) > _STALL_PAIRS_BEFORE_FOLD:
+            finished = 0
+            for start, end in self._stall_pairs:
+                if not end.query():
+                    break
+                self._stall_s += backend.elapsed_s(start, end)
+                finished += 1
+            del self._stall_pairs[:finished]
+
+    def _note_host_copy(self, host: torch.Tensor, done) -> None:
+        if host.numel():
+            self._host_last_copy[host.data_ptr()] = done
+
+    def _let_go_oldest_source(self) -> int:
+        """Drop the device's hold on the oldest held swap-out source (its copy completed, or its stream was
+        ordered after the copy); returns its bytes."""
+        handle = self._held_sources.popleft()
+        handle.guard = None
+        handle.source = None
+        return handle.nbytes
+
+    def _release_finished_host_buffers(self) -> None:
+        if not self._pending_host:
+            return
+        waiting = []
+        for host, event in self._pending_host:
+            if event.query():
+                self.host_pool.release(host)
+            else:
+                waiting.append((host, event))
+        self._pending_host = waiting
