@@ -175,10 +175,7 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         pack = self.pack_hook
 
         def counting_pack(tensor: torch.Tensor):
-            if device.emulated:
-                with device.meter.paused():
-                    packed = pack(tensor)
-            else:
+            with device.backend.host_side():  # (the emulated device's host copies are host memory)
                 packed = pack(tensor)
             self.swap_out_bytes += packed[1].numel() * packed[1].element_size()
             return packed
@@ -234,6 +231,7 @@ class Variant:
         closure, saving = self._closure(batch)
         device = self.device
         self._synchronize()
+        _reset_process_peaks(self.cuda)
         device.reset_peak()
         start_live_bytes = device.live_bytes()
         stall_start_s = device.stall_s()
@@ -273,6 +271,7 @@ def probe(variant: Variant, batch: torch.Tensor) -> dict:
 
         closure, _ = variant._closure(batch)
         variant._synchronize()
+        _reset_process_peaks(variant.cuda)
         device.reset_peak()
         start_live_bytes = device.live_bytes()
         with device.active(), saved.hooks():
@@ -288,6 +287,14 @@ def probe(variant: Variant, batch: torch.Tensor) -> dict:
 
 
 # ---- CUDA helpers -------------------------------------------------------------------------------
+def _reset_process_peaks(cuda: bool) -> None:
+    """This benchmark owns its process, so it may reset the peak statistics that ``CudaDevice`` leaves to
+    Megatron and DeepSpeed: every step's and probe's peak is then a new high, read exactly (below an
+    earlier peak ``CudaDevice.peak_bytes`` is only a lower bound, and the variants repeat one shape)."""
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+
 def measure_link(nbytes: int, repeats: int = 3) -> dict:
     """Pinned host <-> device copy rates (bytes/s, best of ``repeats``), timed with CUDA events: what the
     policy generator plans with (``device.d2h_bytes_per_s`` / ``device.h2d_bytes_per_s``)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import subprocess
 import sys
 import types
@@ -18,6 +19,7 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.device.cuda import CudaDevice, PinnedHostAllocator
 
 MiB = 2**20
+FAKE_FREE_BYTES = 7 * 2**30  # of the fake GPU's 8 GiB
 
 
 # ---- CPU: import hygiene and the error without CUDA ------------------------------------------
@@ -115,6 +117,11 @@ def fake_cuda(monkeypatch):
         "cudart": lambda: fake.cudart,
         "memory_allocated": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "mem_get_info": lambda device=None: (FAKE_FREE_BYTES, properties.total_memory),
+        "get_per_process_memory_fraction": lambda device=None: 1.0,
+        "set_per_process_memory_fraction": lambda fraction, device=None: None,
         "reset_peak_memory_stats": lambda device=None: None,
     }
     for name, value in patches.items():
@@ -122,7 +129,7 @@ def fake_cuda(monkeypatch):
 
     def make(**kwargs) -> CudaDevice:
         device = CudaDevice(**kwargs)
-        device.torch_device = torch.device("cpu")  # "device" allocations land in CPU memory
+        device.torch_device = device.backend.torch_device = torch.device("cpu")  # "device" memory is CPU memory
         return device
 
     fake.make = make
@@ -133,7 +140,9 @@ def test_fake_device_satisfies_protocol_and_uses_the_pinned_allocator(fake_cuda)
     device = fake_cuda.make(host_memory_budget_bytes=10 * MiB)
     assert isinstance(device, Device)
     assert device.name == "cuda:0 (Fake GPU)" and device.emulated is False
-    assert device.capacity_bytes == 8 * 2**30
+    # free + reserved (0) - 5% of that for fragmentation - 3% of free for NCCL and lazy kernels
+    reserve_bytes = math.ceil(0.05 * FAKE_FREE_BYTES) + math.ceil(0.03 * FAKE_FREE_BYTES)
+    assert device.capacity_bytes == FAKE_FREE_BYTES - reserve_bytes
     assert fake_cuda.make(capacity_bytes=123).capacity_bytes == 123
     assert device.host_pool._allocate is device.host_allocator
     assert isinstance(device.host_allocator, PinnedHostAllocator)
@@ -154,7 +163,7 @@ def test_fake_link_rates_are_the_ones_it_was_built_with_else_unknown(fake_cuda):
     assert device.d2h_bytes_per_s is None and device.h2d_bytes_per_s is None  # not told: unknown
     device = fake_cuda.make(d2h_bytes_per_s=12_000_000_000, h2d_bytes_per_s=25e9)
     assert (device.d2h_bytes_per_s, device.h2d_bytes_per_s) == (12e9, 25e9)
-    with pytest.raises(ValueError, match="h2d bandwidth"):
+    with pytest.raises(ValueError, match="device.h2d_bytes_per_s"):
         fake_cuda.make(h2d_bytes_per_s=0)
 
 
@@ -447,6 +456,23 @@ def test_fake_release_completed_sources_never_waits_and_drops_only_finished_sour
     device._d2h_stream.finish()  # the copy lands
     assert device.release_completed_sources() == 400 and alive() is None
     assert fake_cuda.compute.waited == [] and device.stall_s() == 0
+
+
+def test_fake_swaps_are_peak_samples_below_an_earlier_peak(fake_cuda, monkeypatch):
+    """The process peaked earlier (50 MiB): the iteration's peak is the highest sample, taken at swaps."""
+    allocated = {"now": 10 * MiB}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 50 * MiB)
+    resets = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    device = fake_cuda.make()
+    device.reset_peak()
+    allocated["now"] = 30 * MiB  # forward: a swap-out while 30 MiB are held
+    host = device.wait(device.copy_to_host(torch.zeros(4).untyped_storage()))
+    allocated["now"] = 12 * MiB
+    device.copy_to_device(host)
+    allocated["now"] = 10 * MiB
+    assert device.peak_bytes() == 30 * MiB and resets == []
 
 
 def test_random_state_is_the_cuda_generator_of_the_device_in_use(fake_cuda, monkeypatch):

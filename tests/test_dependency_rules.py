@@ -33,9 +33,9 @@ ALLOWED = {
     "__init__": {"units", "config", "device", "report", "runtime"},
 }
 
-# The only files that may name torch.cuda: the CUDA device, and the shims that stand in for torch.cuda
+# The only files that may name torch.cuda: the CUDA device (device/cuda*.py), and the shims that stand in for torch.cuda
 # functions Megatron calls when it runs on a CPU machine.
-CUDA_ALLOWED = {"device/cuda.py", "integrations/megatron/cuda_on_cpu.py"}
+CUDA_ALLOWED = {"device/cuda.py", "device/cuda_memory.py", "integrations/megatron/cuda_on_cpu.py"}
 
 
 def _modules():

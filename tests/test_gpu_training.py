@@ -88,8 +88,9 @@ def test_the_device_timer_is_resolved_once_per_traced_iteration():
     chameleon, reports = _emulated_run(2, timer=lambda: CountingTimer(log))
     assert [r.stage for r in reports] == ["warmup", "warmup"]
     assert log["resolves"] == 2
-    # per layer call: enter, leave, backward start, backward end; 2 layers x 2 micro-batches x 2 iterations
-    assert log["marks"] == 4 * 2 * 2 * 2
+    # per layer call: enter, leave, backward start, backward end; 2 layers x 2 micro-batches x 2 iterations;
+    # and the trace's own start and end (its T_iter is device time) per iteration
+    assert log["marks"] == 4 * 2 * 2 * 2 + 2 * 2
     assert set(chameleon.last_trace.layer_backward_times_s) == {0, 1}
 
 
@@ -135,6 +136,9 @@ def test_cuda_device_hands_out_event_timers(monkeypatch):
     properties = types.SimpleNamespace(name="Fake GPU", total_memory=2**30)
     for name, value in {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
                         "get_device_properties": lambda index: properties,
+                        "mem_get_info": lambda device=None: (2**30, 2**30), "memory_reserved": lambda device=None: 0,
+                        "memory_allocated": lambda device=None: 0, "max_memory_allocated": lambda device=None: 0,
+                        "max_memory_reserved": lambda device=None: 0,
                         "Stream": lambda device=None: object()}.items():
         monkeypatch.setattr(torch.cuda, name, value)
     from chameleon_dist.device.cuda import CudaDevice

@@ -7,6 +7,7 @@ import torch
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.meter import EmulatedOutOfMemoryError, StorageMeter
+from chameleon_dist.device.simulated.memory import block_bytes
 
 F32 = 4
 
@@ -37,26 +38,28 @@ def test_allocation_view_inplace_and_free_are_counted_exactly():
 
 
 def test_parameters_gradients_and_optimizer_state():
+    """Every buffer counts as the caching allocator counts it: one block per storage, rounded to 512 bytes."""
     model = torch.nn.Linear(32, 16)  # made outside the meter: counted only once tracked
-    params_bytes = (32 * 16 + 16) * F32
+    params_bytes = block_bytes(32 * 16 * F32) + block_bytes(16 * F32)
     device = EmulatedDevice(capacity_bytes=10**7)
     device.track_module(model)
     assert device.live_bytes() == params_bytes
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
     x = torch.randn(8, 32)
+    batch_bytes = block_bytes(8 * 32 * F32)
     with device.active():
         xd = x.clone()  # the batch "moved to the device": 8*32 floats
-        assert device.live_bytes() == params_bytes + 8 * 32 * F32
+        assert device.live_bytes() == params_bytes + batch_bytes
         model(xd).sum().backward()
         after_backward = device.live_bytes()
         # gradients: one per parameter, same sizes as the parameters
-        assert after_backward == params_bytes + 8 * 32 * F32 + params_bytes
+        assert after_backward == params_bytes + batch_bytes + params_bytes
         optimizer.step()
         # Adam: exp_avg and exp_avg_sq per parameter plus a one-element float32 step per parameter
-        state_bytes = 2 * params_bytes + 2 * F32
+        state_bytes = 2 * params_bytes + 2 * block_bytes(F32)
         assert device.live_bytes() == after_backward + state_bytes
         optimizer.zero_grad(set_to_none=True)
-        assert device.live_bytes() == params_bytes + 8 * 32 * F32 + state_bytes
+        assert device.live_bytes() == params_bytes + batch_bytes + state_bytes
         del xd
     assert device.live_bytes() == params_bytes + state_bytes
 

@@ -213,3 +213,24 @@ def test_a_mutating_op_that_runs_short_raises_without_relief():
         with pytest.raises(torch.OutOfMemoryError):
             torch.cat([a, a], out=out)  # resizes its out= argument: a mutating op
     assert calls == []
+
+
+def test_making_an_emulated_device_leaves_the_random_generator_alone():
+    """Measuring this CPU's rates must not draw random numbers: a device made between ``manual_seed`` and
+    training would shift every dropout mask (scenario b's losses differed from iteration 1)."""
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    EmulatedDevice(MiB)  # no figures given: this CPU's rates are measured
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_write_under_a_swap_out_tears_its_host_copy_and_restoring_that_copy_is_a_hazard():
+    device = _device(d2h_bytes_per_s=1e6)  # 1 MiB takes ~1 s: the copy is still reading
+    with device.active():
+        x = torch.ones(MiB // 4)
+        handle = device.copy_to_host(x.untyped_storage())
+        x.mul_(2)  # a GPU runs this race silently; the executor never restores such a copy (it counts the write)
+        device.synchronize()
+        with pytest.raises(StreamHazardError, match="torn"):
+            device.copy_to_device(handle.result)

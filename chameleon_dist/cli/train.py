@@ -11,8 +11,10 @@ WarmUp iteration 2 (swaps every eligible tensor), all on one x axis of the model
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
+import math
 import logging
 import sys
 import warnings
@@ -121,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "emulated": True,
         "job": job.model_dump(mode="json"),
         "device": {"name": device.name, "capacity_bytes": device.capacity_bytes,
-                   "h2d_bytes_per_s": device.h2d_bytes_per_s, "d2h_bytes_per_s": device.d2h_bytes_per_s,
-                   "model": device.model.as_json()},
+                   "h2d_bytes_per_s": _json_rate(device.h2d_bytes_per_s),
+                   "d2h_bytes_per_s": _json_rate(device.d2h_bytes_per_s),
+                   "model": dataclasses.asdict(device.model)},
         "runs": {result.label: _run_json(result) for _, result in runs},
         "parity": {**vars(parity), "bit_identical": parity.bit_identical},
         "plot": {"file": plot.name, "curves": [_curve_json(curve, run, timeline) for curve, (run, timeline) in curves]},
@@ -132,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if with_chameleon.completed == settings.iterations and parity.bit_identical else 1
 
 
-def _rate(bytes_per_s: float | None) -> str:
-    return "instant" if bytes_per_s is None else f"{bytes_per_s / 1e9:.2f} GB/s"
+def _json_rate(bytes_per_s: float | None) -> float | None:
+    """A link rate for JSON: null for an instant link (JSON has no infinity)."""
+    return None if bytes_per_s is None or math.isinf(bytes_per_s) else bytes_per_s
 
 
 def _outcome(result, iterations: int) -> str:

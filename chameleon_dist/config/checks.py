@@ -57,6 +57,11 @@ def device_conflicts(settings: Any, device: Any) -> list[str]:
         conflict("kind", repr(settings.kind), "kind 'emulated'" if emulated else "kind 'cuda'")
     if "capacity" in given and settings.capacity != device.capacity_bytes:
         conflict("capacity", _bytes(settings.capacity), f"capacity {_bytes(device.capacity_bytes)}")
+    if "enforce_capacity" in given and not emulated:  # the emulated device always enforces its capacity
+        enforced = bool(getattr(device, "capacity_enforced", False))
+        if enforced != settings.enforce_capacity:
+            conflict("enforce_capacity", str(settings.enforce_capacity).lower(),
+                     "its capacity enforced" if enforced else "its capacity not enforced")
     for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
         if name in given and emulated:  # (only the emulated device's link is its own to compare)
             rate = getattr(device, name)  # Device.h2d_bytes_per_s / d2h_bytes_per_s; inf: an instant link

@@ -176,12 +176,21 @@ class DeviceConfig(_Section):
         "auto", description='"cuda", "emulated" (CPU), or "auto" (CUDA when present).',
         json_schema_extra=_hint('use "auto", "cuda" or "emulated"'),
     )
-    capacity: OptionalCapacityBytes = Field(None, description="Device memory in bytes; None = the real device's.")
+    capacity: OptionalCapacityBytes = Field(
+        None, description="Device memory in bytes; None = on CUDA, what is usable at start (free + reserved - reserve)."
+    )
     h2d_bytes_per_s: OptionalRateBytesPerS = Field(None, description="Host-to-device bandwidth; None = instant/measured.")
     d2h_bytes_per_s: OptionalRateBytesPerS = Field(None, description="Device-to-host bandwidth; None = instant/measured.")
     preset: PresetName = Field(
         None, description=f"Named accelerator preset for the emulated link: {', '.join(KNOWN_PRESETS)}.",
         json_schema_extra=_hint(f"use one of {', '.join(KNOWN_PRESETS)}, or null"),
+    )
+    # Accepted with every kind: the emulated device always raises at its capacity, so there it changes
+    # nothing, and a config shared by GPU nodes and CPU CI (kind "auto") loads on both.
+    enforce_capacity: bool = Field(
+        False, strict=True, description="CUDA: make the caching allocator raise out-of-memory at the capacity "
+        "(set_per_process_memory_fraction); the emulated device always does.",
+        json_schema_extra=_hint("use true or false"),
     )
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ A backend only answers "do this on that stream" and "what does memory look like"
 to release, what to wait for, how to relieve pressure) lives above it, so the emulated device runs the
 code a GPU runs. A behaviour that exists on one backend only is a defect.
 
-Streams and events follow ``torch.cuda``'s semantics: an event recorded on a stream completes when the
+Streams and events follow CUDA's semantics: an event recorded on a stream completes when the
 stream's work queued before it has run; ``query()`` answers now, without waiting; ``Stream.wait_event``
 orders later work on the stream after the event without blocking the host; ``synchronize`` blocks the host.
 """

@@ -15,6 +15,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_leaves
 
+from chameleon_dist.device import cuda_memory
 from chameleon_dist.device.stream_device import StreamDevice
 from chameleon_dist.units import format_bytes
 
@@ -80,7 +81,8 @@ class CudaBackend:
 
     emulated = False
 
-    def __init__(self, capacity_bytes: int | None = None, device_index: int | None = None) -> None:
+    def __init__(self, capacity_bytes: int | None = None, device_index: int | None = None,
+                 enforce_capacity: bool = False) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError(
                 f"CUDA is not available (torch {torch.__version__}, CUDA build: {torch.version.cuda}): "
@@ -95,11 +97,14 @@ class CudaBackend:
         self.torch_device = torch.device("cuda", index)
         properties = torch.cuda.get_device_properties(index)
         self.name = f"cuda:{index} ({properties.name})"
-        total_bytes = int(properties.total_memory)
-        self.capacity_bytes = total_bytes if capacity_bytes is None else int(capacity_bytes)
-        if self.capacity_bytes > total_bytes:
-            logger.warning("device.capacity %s exceeds %s's memory (%s)", format_bytes(self.capacity_bytes),
-                           self.name, format_bytes(total_bytes))
+        # free + reserved by this process - a measured reserve (NOTE [The budget compares memory_allocated])
+        self.capacity_reading = cuda_memory.usable_capacity_bytes(index, configured_capacity_bytes=capacity_bytes)
+        self.capacity_bytes = self.capacity_reading.capacity_bytes
+        logger.info("%s", self.capacity_reading.describe())
+        self.capacity_enforced = bool(enforce_capacity)
+        if self.capacity_enforced:
+            cuda_memory.enforce_capacity(index, self.capacity_bytes)
+        self._peak = cuda_memory.PeakReader(index)
         self.host_allocator_instance = PinnedHostAllocator()
 
     # ---- streams and events -----------------------------------------------------------------
@@ -126,13 +131,17 @@ class CudaBackend:
 
     # ---- memory -----------------------------------------------------------------------------
     def live_bytes(self) -> int:
-        return torch.cuda.memory_allocated(self.torch_device)
+        """``memory_allocated`` (also a sample for the iteration's peak)."""
+        return self._peak.sample()
 
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.torch_device)
+        """This iteration's peak ``memory_allocated``: exact when the process's maximum grew in it, else a
+        lower bound (``cuda_memory.PeakReader``). The process's peak statistics are never reset."""
+        return self._peak.peak_bytes()
 
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.torch_device)
+        """Start of an iteration for ``peak_bytes`` (resets nothing: Megatron and DeepSpeed read the peaks)."""
+        self._peak.begin()
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == "cuda" and tensor.device.index == self.index
@@ -147,7 +156,9 @@ class CudaBackend:
         return contextlib.nullcontext()
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+        block = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+        self._peak.sample()  # a swap-in is where the iteration's peak often is
+        return block
 
     def active(self):
         return torch.cuda.device(self.index)
@@ -161,6 +172,7 @@ class CudaBackend:
 
     # ---- work ---------------------------------------------------------------------------------
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        self._peak.sample()  # a swap-out in forward, every earlier source still held: near the peak
         destination.copy_(source, non_blocking=True)
 
     def run_op(self, func, args: tuple, kwargs: dict):
@@ -181,10 +193,12 @@ class CudaDevice(StreamDevice):
 
     def __init__(self, capacity_bytes: int | None = None, host_memory_budget_bytes: int | None = None,
                  device_index: int | None = None, d2h_bytes_per_s: float | None = None,
-                 h2d_bytes_per_s: float | None = None) -> None:
-        backend = CudaBackend(capacity_bytes, device_index)
+                 h2d_bytes_per_s: float | None = None, enforce_capacity: bool = False) -> None:
+        backend = CudaBackend(capacity_bytes, device_index, enforce_capacity)
         super().__init__(backend, host_memory_budget_bytes, d2h_bytes_per_s=d2h_bytes_per_s,
                          h2d_bytes_per_s=h2d_bytes_per_s)
         self.index = backend.index
         self.torch_device = backend.torch_device
         self.host_allocator = backend.host_allocator_instance
+        self.capacity_reading = backend.capacity_reading
+        self.capacity_enforced = backend.capacity_enforced

@@ -41,7 +41,10 @@ def make_device(config: "ChameleonConfig") -> Device:
             host_memory_budget_bytes=host_budget_bytes,
             d2h_bytes_per_s=settings.d2h_bytes_per_s,
             h2d_bytes_per_s=settings.h2d_bytes_per_s,
+            enforce_capacity=settings.enforce_capacity,
         )
+    if settings.enforce_capacity:
+        logger.debug("device.enforce_capacity: the emulated device always raises at device.capacity")
     capacity_bytes = settings.capacity
     if capacity_bytes is None:
         logger.info("emulated device without device.capacity: memory is metered but never runs out")

@@ -220,8 +220,9 @@ def measure_cpu_rates(duration_s: float = _MEASURE_EACH_S) -> tuple[float, float
 
     The copy rate counts the bytes read plus the bytes written, as the cost model's ``bytes_moved`` does.
     """
-    a = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE)
-    b = torch.randn(_MATMUL_SIZE, _MATMUL_SIZE)
+    # (not randn: measuring must leave the global random generator, and so dropout masks, as it was)
+    a = torch.full((_MATMUL_SIZE, _MATMUL_SIZE), 0.5)
+    b = torch.full((_MATMUL_SIZE, _MATMUL_SIZE), 0.25)
     flop_per_s = _rate_per_s(2 * _MATMUL_SIZE**3, lambda: torch.mm(a, b), duration_s)
     src = torch.ones(_COPY_ELEMENTS)
     dst = torch.empty_like(src)

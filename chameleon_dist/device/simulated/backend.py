@@ -176,7 +176,11 @@ class SimulatedBackend:
         else:
             start_s, end_s = stream.launch(2 * nbytes / self.model.memory_bytes_per_s + self.model.launch_latency_s)
         if source_block is not None:
-            self.hazards.access(source_block, stream, start_s, end_s, False, "a copy reading its source")
+            host_key = storage_key(destination.untyped_storage()) if destination_block is None else None
+            self.hazards.access(source_block, stream, start_s, end_s, False, "a copy reading its source",
+                                copied_to=host_key)
+        elif destination_block is not None:
+            self.hazards.read_host(storage_key(source.untyped_storage()), "a host-to-device copy")
         if destination_block is not None:
             self.hazards.access(destination_block, stream, start_s, end_s, True, "a copy writing its destination")
         with self.host_side():

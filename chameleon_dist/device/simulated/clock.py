@@ -89,7 +89,7 @@ class SimStream:
 
 
 class SimEvent:
-    """An event on the device timeline (``torch.cuda.Event``'s semantics; an unrecorded event is complete)."""
+    """An event on the device timeline (a CUDA event's semantics; an unrecorded event is complete)."""
 
     __slots__ = ("clock", "time_s", "timing")
 

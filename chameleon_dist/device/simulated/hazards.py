@@ -8,7 +8,10 @@ ends) and, per stream, when its latest read ends. A kernel or copy on stream X t
 - reading or writing a block whose last write, by another stream, ends after ``t`` is a hazard: a copy
   that reads a tensor before its producer's kernel ended, a swapped-in tensor read before its
   host-to-device copy completed;
-- writing a block that another stream still reads after ``t`` is a hazard (a write under a copy that reads).
+- writing a block that another stream's kernel still reads after ``t`` is a hazard. A write under a
+  device-to-host copy that still reads it tears the copy instead: its host buffer is marked, and a later
+  copy that reads that host buffer back is the hazard (a GPU runs the same race silently; the executor
+  never restores such a copy, since it counts the write and raises autograd's in-place error at unpack);
 
 When a block dies it goes back to the stream it was allocated on, at once, as the CUDA caching allocator
 hands it back: the next allocation on that stream may reuse it from ``max(host time, that stream's
@@ -31,13 +34,14 @@ class StreamHazardError(RuntimeError):
 class BlockAccess:
     """The device-timeline accesses of one block that a later access or a free must not race."""
 
-    __slots__ = ("stream", "write_stream", "write_end_s", "reads")
+    __slots__ = ("stream", "write_stream", "write_end_s", "reads", "copied_to")
 
     def __init__(self, stream: SimStream) -> None:
         self.stream = stream  # the allocation stream
         self.write_stream: SimStream | None = None
         self.write_end_s = 0.0
         self.reads: dict[SimStream, float] | None = None  # stream -> when its latest read of the block ends
+        self.copied_to: dict[SimStream, int] | None = None  # copy stream -> the host buffer its read fills
 
 
 class HazardChecker:
@@ -47,6 +51,7 @@ class HazardChecker:
         self.enabled = enabled
         self.checked_accesses = 0
         self._pending: StreamHazardError | None = None
+        self.torn_host_buffers: set[int] = set()  # keys of host buffers a racing write tore
 
     def raise_pending(self) -> None:
         pending = self._pending
@@ -55,7 +60,9 @@ class HazardChecker:
             raise pending
 
     def access(self, block: BlockAccess, stream: SimStream, start_s: float, end_s: float, write: bool,
-               what: str) -> None:
+               what: str, copied_to: int | None = None) -> None:
+        """One access of ``block`` on ``stream`` from ``start_s`` to ``end_s``; ``copied_to``: a copy's read
+        that fills the host buffer with this key."""
         if not self.enabled:
             return
         self.checked_accesses += 1
@@ -71,11 +78,16 @@ class HazardChecker:
             if reads:
                 for reader, read_end_s in reads.items():
                     if reader is not stream and read_end_s > start_s + 1e-15:
+                        torn = (block.copied_to or {}).get(reader)
+                        if torn is not None:
+                            self.torn_host_buffers.add(torn)
+                            continue
                         raise StreamHazardError(
                             f"{what} on stream {stream.name} writes a block at {start_s * 1e6:.3f} us while "
                             f"stream {reader.name} still reads it until {read_end_s * 1e6:.3f} us"
                         )
                 block.reads = None
+                block.copied_to = None
             block.write_stream = stream
             block.write_end_s = end_s
         else:
@@ -83,6 +95,19 @@ class HazardChecker:
                 reads = block.reads = {}
             if reads.get(stream, 0.0) < end_s:
                 reads[stream] = end_s
+            if copied_to is not None:
+                if block.copied_to is None:
+                    block.copied_to = {}
+                block.copied_to[stream] = copied_to
+                self.torn_host_buffers.discard(copied_to)  # filled anew
+
+    def read_host(self, key: int, what: str) -> None:
+        """A copy reads the host buffer ``key``: a torn one is a hazard."""
+        if self.enabled and key in self.torn_host_buffers:
+            raise StreamHazardError(
+                f"{what} reads a host buffer whose device-to-host copy was torn: a kernel wrote the source "
+                f"while the copy still read it (order the write after the copy's done-event)"
+            )
 
     def freed(self, block: BlockAccess, nbytes: int) -> None:
         """``block`` went back to its allocation stream now (possibly from a finaliser: deferred raise)."""

@@ -2,7 +2,7 @@
 
 Each storage a device op produces for the first time is a *block* (views share their storage and cost
 nothing): its size rounded up to 512 bytes, as the caching allocator rounds every request, allocated on
-the stream current at the op. ``live_bytes`` is what ``torch.cuda.memory_allocated`` would say. A
+the stream current at the op. ``live_bytes`` is what CUDA's ``memory_allocated`` would say. A
 ``weakref.finalize`` on the storage gives the block back to its allocation stream when the storage dies,
 whichever thread drops it (the hazard checker sees the free: NOTE [Stream hazards]). An op whose new
 blocks would not fit raises ``EmulatedOutOfMemoryError`` (a ``torch.OutOfMemoryError``) before its outputs
