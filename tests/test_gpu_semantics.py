@@ -65,3 +65,112 @@ def test_planned_releases_lower_the_forward_peak_while_the_host_runs_ahead(unswa
     assert device.backend.clock.host_s < device.backend.compute_stream.ready_s or True
     assert max(r.peak_device_bytes for r in stable) < 0.85 * unswapped_peak_bytes, (
         [r.peak_device_bytes for r in stable], unswapped_peak_bytes)
+
+
+class _SideStreamStack(torch.nn.Module):
+    """Linear+ReLU layers, the first half under a side stream (``layers.<i>`` for the profiler's layers)."""
+
+    def __init__(self, backend, side, width: int = 256, depth: int = 6) -> None:
+        super().__init__()
+        self.backend, self.side = backend, side
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        compute = self.backend.current_stream()
+        half = len(self.layers) // 2
+        self.side.wait_stream(compute)
+        with self.backend.use_stream(self.side):
+            for layer in self.layers[:half]:
+                x = torch.relu(layer(x))
+        compute.wait_stream(self.side)  # as the program must before using the side stream's result
+        self.backend.record_stream(x, compute)  # ... and before the side stream may reuse its block
+        for layer in self.layers[half:]:
+            x = torch.relu(layer(x))
+        return x.square().mean()
+
+
+def _side_stream_run(enabled: bool, steps: int, budget_bytes: int | None = None):
+    # a link slower than a layer's compute: policies place swap-outs in later layers (the compute half)
+    device = _lagging_device(d2h_bytes_per_s=1e7, h2d_bytes_per_s=1e7)
+    backend = device.backend
+    side = backend.new_stream("side")
+    torch.manual_seed(0)
+    model = _SideStreamStack(backend, side)
+    settings = {"enabled": enabled, "min_swap_bytes": 4096}
+    if budget_bytes is not None:
+        settings["memory_budget"] = budget_bytes
+    chameleon = Chameleon(settings, device=device)
+    chameleon.attach(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses, reports = [], []
+    for step in range(steps):
+        x = device.track(torch.randn(512, 256, generator=torch.Generator().manual_seed(step)))
+
+        def closure():
+            loss = model(x)
+            # (on a GPU autograd runs a node's backward on its forward's stream; the emulation runs all of
+            # backward on the current stream, so the graph is kept until the side stream is ordered after it)
+            loss.backward(retain_graph=True)
+            side.wait_stream(backend.current_stream())
+            return loss.detach()
+
+        losses.append(chameleon.run_iteration(closure, optimizer=optimizer))
+        reports.append(chameleon.last_report)
+        optimizer.zero_grad(set_to_none=True)
+    return losses, reports
+
+
+def test_tensors_saved_under_a_side_stream_are_copied_and_released_on_their_stream():
+    """Half the forward pass runs under a side stream (communication overlap, a user's stream block): its
+    saved tensors are produced and allocated there. A swap-out a policy places at a later op is issued while
+    the compute stream is current; it must still wait on the producing stream (recorded at the save), and the
+    block must go back to that stream ordered after the copy. Ordering both on the stream current at the
+    copy (the old code) hands the block back to the side stream while the copy may still read it: the hazard
+    checker raises."""
+    reference, probe = _side_stream_run(False, 8)
+    losses, reports = _side_stream_run(True, 8, budget_bytes=int(probe[-1].peak_device_bytes * 0.6))
+    assert [r.stage for r in reports][-1] == "stable", [r.stage for r in reports]
+    assert sum(r.delayed_swap_outs for r in reports) > 0, "policies placed swap-outs after their saves"
+    assert all(torch.equal(a, b) for a, b in zip(losses, reference))
+
+
+def test_trials_are_timed_on_the_device_not_by_how_fast_the_host_queued_them():
+    """With a fixed host cost per op the device time of an iteration does not depend on the host's wall
+    time: a host that sleeps inside the step (slow Python, a data loader) changes nothing."""
+    import time as wall
+
+    times = []
+    for sleep_s in (0.0, 0.3):
+        chameleon = Chameleon({"enabled": False}, device=_lagging_device())
+        torch.manual_seed(0)
+        model = chameleon.attach(make_lm(0, **MODEL))
+        tokens = torch.randint(0, MODEL["vocab"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+        def closure():
+            wall.sleep(sleep_s)
+            model(tokens).logsumexp(-1).mean().backward()
+
+        chameleon.run_iteration(closure)
+        times.append(chameleon.last_report.iteration_s)
+    assert times[0] == times[1] and times[0] > 0
+
+
+def test_a_retry_lets_go_of_the_blocks_the_device_still_holds_for_the_failed_attempt():
+    """On a GPU a failed attempt's swap-outs are still being copied when the retry begins: the device holds
+    their sources. The retry must let go of them (ordered after the copies), or it starts short of memory."""
+    from chameleon_dist.executor import IterationContext, SwapExecutor
+
+    device = _lagging_device(d2h_bytes_per_s=1e8)  # slow copies: still in flight at the retry
+    # (ends with a GELU: the last tensor saved is an activation whose swap-out is in flight at the retry)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU())
+    device.track_module(model)
+    executor = SwapExecutor(device, min_swap_bytes=1024)
+    executor.protect(model)
+    with device.active():
+        base_bytes = device.live_bytes()
+        with executor.active(IterationContext()):
+            loss = model(torch.randn(512, 256)).sum()
+            del loss  # the failed attempt's graph is gone; only the device's hold remains
+            assert device.live_bytes() >= base_bytes + 512 * 256 * 4
+            executor.new_attempt()
+            assert device.live_bytes() <= base_bytes + 512, "the retry starts with what the iteration began with"

@@ -79,6 +79,10 @@ class Backend(Protocol):
         """``nbytes`` of device memory (uint8) on the current stream; raises ``torch.OutOfMemoryError``."""
         ...
 
+    def record_stream(self, tensor: torch.Tensor, stream: BackendStream) -> None:
+        """``Tensor.record_stream`` (a program's own cross-stream use; Chameleon itself never calls it)."""
+        ...
+
     def host_allocator(self) -> Callable[[int], torch.Tensor] | None:
         """Page-locked host buffers of exactly ``nbytes`` (None: plain host tensors)."""
         ...

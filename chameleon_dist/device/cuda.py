@@ -149,6 +149,9 @@ class CudaBackend:
     def track(self, tensor: torch.Tensor) -> None:
         """The caching allocator counts every tensor already."""
 
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
     def host_allocator(self) -> PinnedHostAllocator:
         return self.host_allocator_instance
 

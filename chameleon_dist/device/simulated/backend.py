@@ -125,6 +125,12 @@ class SimulatedBackend:
     def track(self, tensor: torch.Tensor) -> None:
         self.allocator.track(tensor.untyped_storage(), self.current_stream())
 
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        """``Tensor.record_stream``: the block's reuse waits for ``stream``'s work queued before its free."""
+        block = self.allocator.block_of(tensor.untyped_storage())
+        if block is not None:
+            block.recorded = (block.recorded or set()) | {stream}
+
     def host_allocator(self) -> None:
         return None  # plain CPU tensors (made inside ``host_side``)
 

@@ -14,7 +14,7 @@ ends) and, per stream, when its latest read ends. A kernel or copy on stream X t
   never restores such a copy, since it counts the write and raises autograd's in-place error at unpack);
 
 When a block dies it goes back to the stream it was allocated on, at once, as the CUDA caching allocator
-hands it back: the next allocation on that stream may reuse it from ``max(host time, that stream's
+hands it back (after the streams the program named with ``record_stream``, as the allocator defers it): the next allocation on that stream may reuse it from ``max(host time, that stream's
 queued work)``. Another stream's access ending later is a hazard (a block reused while a copy still reads
 or writes it); the fix is the allocation stream waiting on the copy's done-event before the last reference
 goes, never ``record_stream``. A hazard found while a storage is being freed (in a finaliser, where an
@@ -34,7 +34,7 @@ class StreamHazardError(RuntimeError):
 class BlockAccess:
     """The device-timeline accesses of one block that a later access or a free must not race."""
 
-    __slots__ = ("stream", "write_stream", "write_end_s", "reads", "copied_to")
+    __slots__ = ("stream", "write_stream", "write_end_s", "reads", "copied_to", "recorded")
 
     def __init__(self, stream: SimStream) -> None:
         self.stream = stream  # the allocation stream
@@ -42,6 +42,7 @@ class BlockAccess:
         self.write_end_s = 0.0
         self.reads: dict[SimStream, float] | None = None  # stream -> when its latest read of the block ends
         self.copied_to: dict[SimStream, int] | None = None  # copy stream -> the host buffer its read fills
+        self.recorded: set[SimStream] | None = None  # streams the program recorded (``record_stream``)
 
 
 class HazardChecker:
@@ -115,11 +116,13 @@ class HazardChecker:
             return
         owner = block.stream
         reuse_s = owner.start_s()
+        recorded = block.recorded or ()  # the allocator defers reuse until these streams' work has run
         late = []
-        if block.write_stream is not None and block.write_stream is not owner and block.write_end_s > reuse_s + 1e-15:
+        if (block.write_stream is not None and block.write_stream is not owner and block.write_stream not in recorded
+                and block.write_end_s > reuse_s + 1e-15):
             late.append((block.write_stream, block.write_end_s, "writes"))
         for reader, read_end_s in (block.reads or {}).items():
-            if reader is not owner and read_end_s > reuse_s + 1e-15:
+            if reader is not owner and reader not in recorded and read_end_s > reuse_s + 1e-15:
                 late.append((reader, read_end_s, "reads"))
         if late:
             stream, end_s, verb = late[0]
