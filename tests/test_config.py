@@ -225,11 +225,9 @@ def test_each_bad_input_is_one_problem_naming_the_field(data, expected):
     assert only_problem(data).startswith(expected)
 
 
-def test_preset_with_explicit_bandwidth_says_what_to_remove():
-    assert only_problem({"device": {"preset": "h200", "h2d_bytes_per_s": "25GB", "d2h_bytes_per_s": 1}}) == (
-        "device.preset: preset 'h200' sets the link bandwidth itself; "
-        "remove device.h2d_bytes_per_s and device.d2h_bytes_per_s, or remove device.preset"
-    )
+def test_explicit_bandwidth_beside_a_preset_is_kept_to_override_it():
+    device = load_config({"device": {"preset": "h200", "h2d_bytes_per_s": "25GB", "d2h_bytes_per_s": 1}}).device
+    assert (device.preset, device.h2d_bytes_per_s, device.d2h_bytes_per_s) == ("h200", 25 * 10**9, 1)
 
 
 def test_all_problems_are_reported_together():
@@ -384,7 +382,7 @@ def megatron_parser() -> argparse.ArgumentParser:
 def test_megatron_args_default_to_unset():
     args = megatron_parser().parse_args([])
     chameleon_args = {k: v for k, v in vars(args).items() if k.startswith("chameleon")}
-    assert len(chameleon_args) == 8 and set(chameleon_args.values()) == {None}
+    assert len(chameleon_args) == 9 and set(chameleon_args.values()) == {None}
     assert ChameleonConfig.from_megatron_args(args) == ChameleonConfig()
     assert "chameleon" in [group.title for group in megatron_parser()._action_groups]
 
@@ -421,9 +419,10 @@ def test_megatron_errors_name_the_flag(tmp_path):
     ]
     assert "'6 gigs' is not a size" in info.value.problems[0]
     path = tmp_path / "c.yaml"
-    path.write_text("device: {h2d_bytes_per_s: 25GB}\n")
-    args = megatron_parser().parse_args(["--chameleon-config", str(path), "--chameleon-preset", "h200"])
-    with pytest.raises(ConfigError, match=r"--chameleon-preset \(device.preset\): preset 'h200' sets the link"):
+    path.write_text("device: {kind: cuda}\n")
+    args = megatron_parser().parse_args(["--chameleon-config", str(path), "--chameleon-host-op-s", "3us"])
+    with pytest.raises(ConfigError, match=r"--chameleon-host-op-s \(device.host_op_s\): only the emulated device "
+                                          r"models compute; remove device.host_op_s or use kind: emulated"):
         ChameleonConfig.from_megatron_args(args)
 
 

@@ -180,6 +180,7 @@ BAD_VALUES = [
     ("--chameleon-device", "device.kind", "gpu"),
     ("--chameleon-device-capacity", "device.capacity", "big"),
     ("--chameleon-preset", "device.preset", "h300"),
+    ("--chameleon-host-op-s", "device.host_op_s", "soon"),
 ]
 
 

@@ -35,6 +35,7 @@ OVERRIDES: tuple[tuple[str, str, str], ...] = (
     ("--chameleon-device", "chameleon_device", "device.kind"),
     ("--chameleon-device-capacity", "chameleon_device_capacity", "device.capacity"),
     ("--chameleon-preset", "chameleon_preset", "device.preset"),
+    ("--chameleon-host-op-s", "chameleon_host_op_s", "device.host_op_s"),
 )
 
 # flag -> (metavar, or None for an on/off flag; help sentence, completed with the setting it overrides)
@@ -47,7 +48,9 @@ _HELP: dict[str, tuple[str | None, str]] = {
     "--chameleon-min-swap-bytes": ("SIZE", 'Tensors smaller than this are never swapped, e.g. "1MiB".'),
     "--chameleon-device": ("KIND", 'Device to run on: "auto", "cuda" or "emulated".'),
     "--chameleon-device-capacity": ("SIZE", 'Device memory capacity, e.g. "2GB"; the emulated device needs it.'),
-    "--chameleon-preset": ("NAME", f"Accelerator preset for the emulated link: {', '.join(KNOWN_PRESETS)}."),
+    "--chameleon-preset": ("NAME", f"Accelerator preset the emulated device models: {', '.join(KNOWN_PRESETS)}."),
+    "--chameleon-host-op-s": (
+        "SECONDS", 'Host seconds per op on the emulated device, e.g. 3e-6 or "3us", for reproducible runs.'),
 }
 
 

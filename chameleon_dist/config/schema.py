@@ -27,9 +27,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from chameleon_dist.config import sizes
+from chameleon_dist.config import numbers, sizes
 from chameleon_dist.config.checks import SMALL_BUDGET_MAX, budget_over_total_problem, small_budget_problem
-from chameleon_dist.config.errors import CONFLICT_ERROR, CUSTOM_ERROR, ConfigError
+from chameleon_dist.config.errors import CUSTOM_ERROR, ConfigError
 
 if TYPE_CHECKING:
     import argparse
@@ -42,6 +42,8 @@ AUTO_HOST_FRACTION = 0.5
 
 _SIZE_USE = 'use bytes (e.g. 1048576) or a size string like "1MiB", "800kB" or "6GB"'
 _RATE_USE = 'use bytes per second (e.g. 25000000000) or a size string like "25GB" (per second)'
+_FLOP_USE = 'use FLOP per second, e.g. 312e12 or "312 TFLOP/s"'
+_SECONDS_USE = 'use seconds, e.g. 3e-6, or a string with a unit such as "3us" or "0.2ms"'
 _BUDGET_USE = (
     'use bytes (e.g. 6442450944), a size string like "6GB" or "512MiB", '
     'a fraction of {total} in (0, 1] such as 0.8, or "auto"'
@@ -64,6 +66,24 @@ def _size_validator(use: str, *, per_second: bool = False, positive: bool = Fals
         if positive and nbytes == 0:
             raise _custom(f"{value!r} is zero; it must be more than 0 bytes; {use}")
         return nbytes
+
+    return BeforeValidator(validate)
+
+
+def _number_validator(parse, use: str, *, minimum: float, inclusive: bool):
+    """A positive (``inclusive``: or zero) number read by ``parse``; None passes through."""
+    bound = f"{minimum:g} or more" if inclusive else f"more than {minimum:g}"
+
+    def validate(value: Any) -> float | None:
+        if value is None:
+            return None
+        try:
+            number = parse(value)
+        except numbers.NumberError as exc:
+            raise _custom(f"{exc}; {use}") from None
+        if number < minimum or (number == minimum and not inclusive):
+            raise _custom(f"{value!r} is too small: it must be {bound}; {use}")
+        return number
 
     return BeforeValidator(validate)
 
@@ -101,6 +121,15 @@ OptionalCapacityBytes = Annotated[
 ]
 OptionalRateBytesPerS = Annotated[
     int | None, _size_validator(_RATE_USE + ", or null", per_second=True, positive=True, optional=True)
+]
+OptionalFlopPerS = Annotated[
+    float | None, _number_validator(numbers.parse_flop_per_s, _FLOP_USE + ", or null", minimum=0, inclusive=False)
+]
+OptionalPositiveSeconds = Annotated[
+    float | None, _number_validator(numbers.parse_seconds, _SECONDS_USE + ", or null", minimum=0, inclusive=False)
+]
+OptionalSeconds = Annotated[
+    float | None, _number_validator(numbers.parse_seconds, _SECONDS_USE + ", or null", minimum=0, inclusive=True)
 ]
 Count = Annotated[int, BeforeValidator(_no_bool), Strict()]  # "2" and 2.0 are mistakes in a config file
 
@@ -169,8 +198,18 @@ class ProfilerConfig(_Section):
     )
 
 
+# Settings only the emulated device reads: it models compute, a real device just computes.
+EMULATED_ONLY_SETTINGS: tuple[str, ...] = ("peak_flop_per_s", "memory_bytes_per_s", "launch_latency_s", "host_op_s")
+
+
 class DeviceConfig(_Section):
-    """Which device to run on and, for the emulated device, its size and host link."""
+    """Which device to run on and, for the emulated device, its size, host link and compute model.
+
+    The emulated device is a simulated GPU: each op occupies its stream for a roofline cost, ``max(FLOPs /
+    peak_flop_per_s, bytes moved / memory_bytes_per_s) + launch_latency_s``, on a device clock that lags
+    the host. ``preset`` supplies every figure; a setting given beside it overrides the preset's figure.
+    Without a preset the compute figures are this CPU's measured rates and the link is as set.
+    """
 
     kind: Literal["auto", "cuda", "emulated"] = Field(
         "auto", description='"cuda", "emulated" (CPU), or "auto" (CUDA when present).',
@@ -179,10 +218,12 @@ class DeviceConfig(_Section):
     capacity: OptionalCapacityBytes = Field(
         None, description="Device memory in bytes; None = on CUDA, what is usable at start (free + reserved - reserve)."
     )
-    h2d_bytes_per_s: OptionalRateBytesPerS = Field(None, description="Host-to-device bandwidth; None = instant/measured.")
-    d2h_bytes_per_s: OptionalRateBytesPerS = Field(None, description="Device-to-host bandwidth; None = instant/measured.")
+    h2d_bytes_per_s: OptionalRateBytesPerS = Field(
+        None, description="Host-to-device bandwidth; None = the preset's (emulated), else instant; measured on CUDA.")
+    d2h_bytes_per_s: OptionalRateBytesPerS = Field(
+        None, description="Device-to-host bandwidth; None = the preset's (emulated), else instant; measured on CUDA.")
     preset: PresetName = Field(
-        None, description=f"Named accelerator preset for the emulated link: {', '.join(KNOWN_PRESETS)}.",
+        None, description=f"Named accelerator whose figures the emulated device uses: {', '.join(KNOWN_PRESETS)}.",
         json_schema_extra=_hint(f"use one of {', '.join(KNOWN_PRESETS)}, or null"),
     )
     # Accepted with every kind: the emulated device always raises at its capacity, so there it changes
@@ -192,16 +233,31 @@ class DeviceConfig(_Section):
         "(set_per_process_memory_fraction); the emulated device always does.",
         json_schema_extra=_hint("use true or false"),
     )
+    peak_flop_per_s: OptionalFlopPerS = Field(
+        None, description="Emulated device: peak FLOP/s for every dtype; None = the preset's per-dtype peaks, "
+        "else this CPU's measured fp32 matmul rate.",
+    )
+    memory_bytes_per_s: OptionalRateBytesPerS = Field(
+        None, description="Emulated device: memory bandwidth (bytes read + written per second); None = the "
+        "preset's HBM figure, else this CPU's measured copy rate.",
+    )
+    launch_latency_s: OptionalPositiveSeconds = Field(
+        None, description="Emulated device: device seconds added to every kernel; None = the preset's, else 3 us.",
+    )
+    host_op_s: OptionalSeconds = Field(
+        None, description="Emulated device: host seconds per op; None = the host's measured time; a number "
+        "makes runs reproducible.",
+    )
 
     @model_validator(mode="after")
-    def _preset_sets_link(self) -> "DeviceConfig":
-        explicit = tuple(n for n in ("h2d_bytes_per_s", "d2h_bytes_per_s") if getattr(self, n) is not None)
-        if self.preset is not None and explicit:
-            raise PydanticCustomError(
-                CONFLICT_ERROR,
-                "{message}",
-                {"message": f"preset {self.preset!r} sets the link bandwidth itself", "field": "preset", "remove": explicit},
-            )
+    def _compute_model_needs_emulated(self) -> "DeviceConfig":
+        given = [name for name in EMULATED_ONLY_SETTINGS if getattr(self, name) is not None]
+        if self.kind == "cuda" and given:
+            names = " and ".join(f"device.{name}" for name in given) + ("," if len(given) > 1 else "")
+            raise PydanticCustomError(CUSTOM_ERROR, "{message}", {
+                "message": f"only the emulated device models compute; remove {names} or use kind: emulated",
+                "field": given[0],
+            })
         return self
 
 

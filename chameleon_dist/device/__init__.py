@@ -5,9 +5,11 @@
 """
 
 from chameleon_dist.device.base import CopyHandle, Device, byte_view
+from chameleon_dist.device.cost import KernelCostModel, is_host_sync
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.device.host_pool import HostBufferPool
+from chameleon_dist.device.model import DeviceModel, measure_cpu_rates
 from chameleon_dist.device.simulated.hazards import StreamHazardError
 from chameleon_dist.device.simulated.memory import EmulatedOutOfMemoryError
 from chameleon_dist.device.stream_device import StreamDevice
@@ -18,15 +20,19 @@ __all__ = [
     "CopyHandle",
     "CudaDevice",
     "Device",
+    "DeviceModel",
     "EmulatedDevice",
     "EmulatedOutOfMemoryError",
     "HostBufferPool",
+    "KernelCostModel",
     "PRESETS",
     "StreamDevice",
     "StreamHazardError",
     "byte_view",
     "calibrate",
+    "is_host_sync",
     "make_device",
+    "measure_cpu_rates",
 ]
 
 

@@ -25,7 +25,6 @@ be worked out falls back to the byte term (or to the launch latency alone).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -49,7 +48,7 @@ _WRITE_ONLY_OPS = frozenset({
 
 # Ops that make the host wait for the device on a GPU, and why (see is_host_sync).
 _HOST_SYNC_OPS = frozenset({
-    "aten::_local_scalar_dense",  # item(), bool(t), float(t), tolist(): copies a value to the host
+    "aten::_local_scalar_dense",  # item(), bool(t), float(t): copies a value to the host
     "aten::item",
     "aten::is_nonzero",  # bool(t): reads the value
     "aten::equal",  # returns a Python bool
@@ -87,48 +86,67 @@ _EXTRA_FLOP_FORMULAS: tuple[tuple[str, Callable[..., int]], ...] = (
 )
 
 
+# The code of the function torch's shape_wrapper puts around a registered formula: a formula with it is
+# called here with the shapes directly (what shape_wrapper would pass), without its pytree walk.
+_SHAPE_WRAPPER_CODE = flop_counter.shape_wrapper(lambda *args, **kwargs: 0).__code__
+
+
 class _OpInfo(NamedTuple):
     """What one op overload's schema says, worked out once per op by each KernelCostModel."""
 
     name: str
     no_kernel: bool  # never launches a kernel whatever its arguments
-    returns_tensor: bool
-    mutable: bool
-    reads_data: bool  # returns no tensor but reads the data (equal): a kernel
-    flop_formula: Callable[..., Any] | None
+    may_alias: bool  # returns tensors without writing in place: a view when they all alias an input
+    flop_formula: Callable[..., Any] | None  # called as the registry's formulas are (tensors, out_val=)
+    shape_formula: Callable[..., Any] | None  # the same formula unwrapped: shapes, out_shape=
     reads_inputs: bool = True  # False: the tensor arguments give sizes only (ones_like)
 
 
-def _returns_tensor(schema: Any) -> bool:
-    return any("Tensor" in str(ret.type) for ret in schema.returns)
+_GENERIC = _OpInfo("", False, True, None, None)
 
 
 def _op_info(func: Any) -> _OpInfo:
     schema = getattr(func, "_schema", None)
     if schema is None:  # a higher-order or Python op: nothing to go on but its tensors
-        return _OpInfo(str(func), False, True, False, False, flop_counter.flop_registry.get(func))
+        return _GENERIC._replace(name=str(func), flop_formula=flop_counter.flop_registry.get(func))
     name = schema.name
     tags = getattr(func, "tags", ())
     packet = getattr(func, "_overloadpacket", None)
     formula = flop_counter.flop_registry.get(packet) or dict(_EXTRA_FLOP_FORMULAS).get(name)
-    returns_tensor = _returns_tensor(schema)
+    wrapped = getattr(formula, "__wrapped__", None)
+    shape_formula = wrapped if getattr(formula, "__code__", None) is _SHAPE_WRAPPER_CODE and wrapped else None
+    returns_tensor = any("Tensor" in str(ret.type) for ret in schema.returns)
     mutable = schema.is_mutable
-    reads_data = not returns_tensor and torch.Tag.data_dependent_output in tags
+    # equal, allclose: no tensor out, but kernels read the data before the host gets the answer
+    reads_data = not returns_tensor and (torch.Tag.data_dependent_output in tags or name in _HOST_SYNC_OPS)
     no_kernel = (name in _NO_KERNEL_OPS or torch.Tag.inplace_view in tags
                  or (not returns_tensor and not mutable and not reads_data))
-    return _OpInfo(name, no_kernel, returns_tensor, mutable, reads_data, formula, name not in _WRITE_ONLY_OPS)
+    return _OpInfo(name, no_kernel, returns_tensor and not mutable, formula, shape_formula,
+                   name not in _WRITE_ONLY_OPS)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``: a tensor, or lists/tuples/dicts of them, nested."""
+def _collect(value: Any, into: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Append the tensors in ``value`` (a tensor, or lists/tuples/dicts of them, nested) to ``into``."""
     if isinstance(value, torch.Tensor):
-        yield value
+        into.append(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors(item)
+            if isinstance(item, torch.Tensor):
+                into.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                _collect(item, into)
     elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+        _collect(tuple(value.values()), into)
+    return into
+
+
+def _shapes(value: Any) -> Any:
+    """``value`` with every tensor replaced by its shape, as torch's shape_wrapper passes it to a formula."""
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    if type(value) in (list, tuple):
+        return type(value)(_shapes(item) for item in value)
+    return value
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -139,18 +157,28 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     numel = tensor.numel()
     if numel == 0:
         return 0
-    span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-    return int(min(numel, span)) * tensor.element_size()
+    strides = tensor.stride()
+    if 0 in strides:
+        span = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, strides))
+        numel = min(numel, span)
+    return int(numel) * tensor.element_size()
 
 
-def _compute_dtype(args: tuple, kwargs: dict, out: Any) -> torch.dtype | None:
-    """The dtype the op computes in: its first floating-point input's, else its first tensor's."""
-    first = None
-    for tensor in _tensors((args, kwargs, out)):
+def _compute_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
+    """The dtype the op computes in: its first floating-point tensor's, else its first tensor's."""
+    for tensor in tensors:
         if tensor.is_floating_point():
             return tensor.dtype
-        first = first or tensor.dtype
-    return first
+    return tensors[0].dtype if tensors else None
+
+
+def _is_alias(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` share a storage (works on meta tensors, whose data pointers are all 0)."""
+    return a is b or torch._C._is_alias_of(a, b)
+
+
+def _all_alias(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+    return bool(outputs) and all(any(_is_alias(output, inp) for inp in inputs) for output in outputs)
 
 
 class KernelCostModel:
@@ -169,7 +197,7 @@ class KernelCostModel:
                 info = _op_info(func)
             except Exception:  # an op whose schema cannot be read: cost it by its tensors
                 logger.debug("cannot read the schema of %r; costing it by the bytes it moves", func, exc_info=True)
-                info = _OpInfo(str(func), False, True, False, False, None)
+                info = _GENERIC._replace(name=str(func))
             self._ops[func] = info
         return info
 
@@ -180,39 +208,24 @@ class KernelCostModel:
             self._peaks[dtype] = peak
         return peak
 
-    def launches_kernel(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> bool:
-        """False for a view, a metadata op, an allocation or a host read (see the module docstring)."""
-        info = self._info(func)
-        if info.no_kernel:
-            return False
-        if info.mutable or not info.returns_tensor:
-            return True
-        outputs = list(_tensors(out))
-        if not outputs:
-            return True
-        inputs = [t for t in _tensors((args, kwargs or {}))]
-        return not all(any(_is_alias(output, inp) for inp in inputs) for output in outputs)
-
-    def flops(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> int:
-        """The op's FLOPs as ``torch.utils.flop_counter`` counts them; 0 without a formula (or if it fails)."""
-        info = self._info(func)
+    def _flops(self, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
         if info.flop_formula is None:
             return 0
         try:
-            return int(info.flop_formula(*args, **(kwargs or {}), out_val=out))
+            if info.shape_formula is not None:
+                return int(info.shape_formula(*_shapes(args), out_shape=_shapes(out),
+                                              **{key: _shapes(value) for key, value in kwargs.items()}))
+            return int(info.flop_formula(*args, **kwargs, out_val=out))
         except Exception:
             if info.name not in self._formula_failed:
                 self._formula_failed.add(info.name)
                 logger.debug("flop formula of %s failed; costing it by the bytes it moves", info.name, exc_info=True)
             return 0
 
-    def bytes_moved(self, args: tuple, kwargs: dict | None, out: Any, func: Any = None) -> int:
-        """Bytes of every strided tensor read (arguments) and written (outputs), each distinct tensor once
-        (with ``func``, the arguments of a factory such as ``ones_like`` are not read)."""
+    def _bytes(self, tensors: list[torch.Tensor]) -> int:
         seen: set[int] = set()
         total = 0
-        reads = func is None or self._info(func).reads_inputs
-        for tensor in _tensors(((args, kwargs or {}) if reads else (), out)):
+        for tensor in tensors:
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
@@ -222,17 +235,41 @@ class KernelCostModel:
                 logger.debug("cannot size a %s argument; it counts no bytes", type(tensor).__name__, exc_info=True)
         return total
 
+    def launches_kernel(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> bool:
+        """False for a view, a metadata op, an allocation or a host read (see the module docstring)."""
+        info = self._info(func)
+        if info.no_kernel:
+            return False
+        return not (info.may_alias and _all_alias(_collect(out, []), _collect((args, kwargs or {}), [])))
+
+    def flops(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> int:
+        """The op's FLOPs as ``torch.utils.flop_counter`` counts them; 0 without a formula (or if it fails)."""
+        return self._flops(self._info(func), args, kwargs or {}, out)
+
+    def bytes_moved(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> int:
+        """Bytes of every strided tensor read (arguments) and written (outputs), each distinct tensor once
+        (the arguments of a factory such as ``ones_like`` give sizes only and are not read)."""
+        outputs = _collect(out, [])
+        if not self._info(func).reads_inputs:
+            return self._bytes(outputs)
+        return self._bytes(_collect((args, kwargs or {}), outputs))
+
     def kernel_s(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> float | None:
         """Device seconds ``func(*args, **kwargs) -> out`` occupies its stream; None when it launches no kernel."""
         try:
-            if not self.launches_kernel(func, args, kwargs, out):
+            info = self._info(func)
+            if info.no_kernel:
+                return None
+            kwargs = kwargs or {}
+            outputs = _collect(out, [])
+            inputs = _collect(kwargs, _collect(args, []))
+            if info.may_alias and _all_alias(outputs, inputs):
                 return None
             model = self.model
-            compute_s = 0.0
-            flops = self.flops(func, args, kwargs, out)
-            if flops > 0:
-                compute_s = flops / self._peak(_compute_dtype(args, kwargs or {}, out))
-            memory_s = self.bytes_moved(args, kwargs, out, func) / model.memory_bytes_per_s
+            moved = self._bytes(outputs + inputs if info.reads_inputs else outputs)
+            memory_s = moved / model.memory_bytes_per_s
+            flops = self._flops(info, args, kwargs, out)
+            compute_s = flops / self._peak(_compute_dtype(inputs or outputs)) if flops > 0 else 0.0
             return max(compute_s, memory_s) + model.launch_latency_s
         except Exception:
             logger.debug("cannot cost %r; charging the launch latency only", func, exc_info=True)
@@ -241,11 +278,6 @@ class KernelCostModel:
     def is_host_sync(self, func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
         """See :func:`is_host_sync`."""
         return is_host_sync(func, args, kwargs)
-
-
-def _is_alias(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` share a storage (works on meta tensors, whose data pointers are all 0)."""
-    return a is b or torch._C._is_alias_of(a, b)
 
 
 def _schema_name(func: Any) -> str:
@@ -275,7 +307,7 @@ def is_host_sync(func: Any, args: tuple = (), kwargs: dict | None = None) -> boo
         return tensor_repeats and kwargs.get("output_size") is None
     if name in _MASK_INDEXING:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(t.dtype in _MASK_DTYPES for t in _tensors(indices))
+        return any(t.dtype in _MASK_DTYPES for t in _collect(indices, []))
     if name == _HISTC:
         low = args[2] if len(args) > 2 else kwargs.get("min", 0)
         high = args[3] if len(args) > 3 else kwargs.get("max", 0)

@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-# Sources named by the figures below (short forms; REFERENCE.md §3 lists the link and peak figures).
+# Sources named by the figures below (short forms). The link rates are those of configs/hardware/*.yaml.
 _A100_SHEET = "NVIDIA A100 datasheet (A100 80GB PCIe column)"
 _H100_SHEET = "NVIDIA H100 datasheet (H100 PCIe column; its tensor figures with sparsity halved to dense)"
 _H200_SHEET = "NVIDIA H200 datasheet (H200 SXM column; its tensor figures with sparsity halved to dense)"
@@ -87,12 +87,13 @@ PRESETS: tuple[AcceleratorPreset, ...] = (
                                ("default", 313e12 / 4)),
         memory_bytes_per_s=1.6e12, launch_latency_s=3e-6, duplex_factor=0.70,
         sources=(
-            "float16: 313 TFLOPS dense (REFERENCE.md §3, Huawei's public figure)",
-            "bfloat16: assumed equal to fp16 (the 910B cube unit runs both; no separate public figure found)",
+            "float16: 313 TFLOPS dense, Huawei's public specification",
+            "bfloat16: assumed equal to fp16 (no separate public figure found)",
             "float32/default: no public fp32 figure found; estimate = fp16 / 4, replace with a measurement",
             "memory_bytes_per_s: 1.6 TB/s, the commonly cited figure for 64 GB HBM2e (public figures vary "
             "from 1.2 to 1.6 TB/s)",
-            "h2d/d2h_bytes_per_s: ~23 GB/s pinned copies, measured (REFERENCE.md §3)",
+            "h2d/d2h_bytes_per_s: ~23 GB/s pinned host<->device copies on the 910B's PCIe link, as measured for "
+            "MindSpeed",
             "launch_latency_s: no public Ascend figure found; the NVIDIA ~3 us is assumed",
             _DUPLEX_GEN5.replace("no PCIe5", "no 910B"),
         ),
@@ -106,10 +107,9 @@ PRESETS: tuple[AcceleratorPreset, ...] = (
         memory_bytes_per_s=2.0e12, launch_latency_s=3e-6, duplex_factor=0.70,
         sources=(
             f"float32/default: 51 TFLOPS (no tensor cores); float64: 51 TFLOPS (tensor cores); {_H100_SHEET}",
-            f"bfloat16/float16: 756 TFLOPS dense (1,513 with sparsity); float8: 1,513 dense; {_H100_SHEET}; "
-            "REFERENCE.md §3",
+            f"bfloat16/float16: 756 TFLOPS dense (1,513 with sparsity); float8: 1,513 dense; {_H100_SHEET}",
             f"memory_bytes_per_s: 2.0 TB/s HBM2e; {_H100_SHEET}",
-            "h2d/d2h_bytes_per_s: ~55 GB/s pinned copies on PCIe5 x16, measured (REFERENCE.md §3)",
+            "h2d/d2h_bytes_per_s: ~55 GB/s pinned copies on PCIe5 x16, measured (CUDA bandwidthTest)",
             _LAUNCH,
             _DUPLEX_GEN5,
         ),
@@ -122,9 +122,9 @@ PRESETS: tuple[AcceleratorPreset, ...] = (
         memory_bytes_per_s=1.935e12, launch_latency_s=3e-6, duplex_factor=0.70,
         sources=(
             f"float32/default: 19.5 TFLOPS (no tensor cores; TF32 156); float64: 19.5 (tensor cores); {_A100_SHEET}",
-            f"bfloat16/float16: 312 TFLOPS dense (624 with sparsity); {_A100_SHEET}; REFERENCE.md §3",
+            f"bfloat16/float16: 312 TFLOPS dense (624 with sparsity); {_A100_SHEET}",
             f"memory_bytes_per_s: 1,935 GB/s HBM2e; {_A100_SHEET}",
-            "h2d/d2h_bytes_per_s: ~25 GB/s pinned copies on PCIe4 x16, measured (REFERENCE.md §3)",
+            "h2d/d2h_bytes_per_s: ~25 GB/s pinned copies on PCIe4 x16, measured (CUDA bandwidthTest, nvbandwidth)",
             _LAUNCH,
             _DUPLEX_A100,
         ),
@@ -138,10 +138,9 @@ PRESETS: tuple[AcceleratorPreset, ...] = (
         memory_bytes_per_s=4.8e12, launch_latency_s=3e-6, duplex_factor=0.70,
         sources=(
             f"float32/default: 67 TFLOPS (no tensor cores); float64: 67 TFLOPS (tensor cores); {_H200_SHEET}",
-            f"bfloat16/float16: 989 TFLOPS dense (1,979 with sparsity); float8: 1,979 dense; {_H200_SHEET}; "
-            "REFERENCE.md §3",
+            f"bfloat16/float16: 989 TFLOPS dense (1,979 with sparsity); float8: 1,979 dense; {_H200_SHEET}",
             f"memory_bytes_per_s: 4.8 TB/s HBM3e; {_H200_SHEET}",
-            "h2d/d2h_bytes_per_s: ~55 GB/s pinned copies on PCIe5 x16, measured (REFERENCE.md §3)",
+            "h2d/d2h_bytes_per_s: ~55 GB/s pinned copies on PCIe5 x16, measured (CUDA bandwidthTest)",
             _LAUNCH,
             _DUPLEX_GEN5,
         ),
