@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
 
 from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args  # noqa: E402
+from chameleon_dist.config.sizes import parse_size_bytes  # noqa: E402
 from chameleon_dist.models.shape import TransformerShape  # noqa: E402
 from chameleon_dist.units import format_bytes  # noqa: E402
 
@@ -86,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--fail-rank", type=int, default=None, metavar="RANK",
                      help="Testing: this rank raises in the forward of --fail-iteration (the job must end, not hang).")
     run.add_argument("--fail-iteration", type=int, default=2)
+    run.add_argument("--squeeze-rank", type=int, default=None, metavar="RANK",
+                     help="Testing: another tenant takes --squeeze-bytes of this rank's device memory in the first "
+                          "forward step of --squeeze-iteration and holds it to the iteration's end (relief inside "
+                          "the op must absorb it: the job goes on).")
+    run.add_argument("--squeeze-iteration", type=int, default=2)
+    run.add_argument("--squeeze-bytes", type=parse_size_bytes, default=0, metavar="SIZE")
     run.add_argument("--dist-timeout-s", type=float, default=300.0,
                      help="Collective timeout: a backstop should a peer vanish without torchrun noticing.")
     add_megatron_args(parser)
@@ -185,10 +192,12 @@ def loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.T
     return loss, {"lm loss": loss.detach().clone()}  # the schedule divides the returned loss in place
 
 
-def forward_step(fail: bool, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+def forward_step(fail: bool, squeeze: list, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     batch = next(data_iterator)
     if fail:
         raise RuntimeError("--fail-rank: this rank raises in its forward step, as a crashing rank would")
+    if squeeze and isinstance(squeeze[0], int):  # --squeeze-rank: the tenant's memory, held by the caller's list
+        squeeze[0] = torch.empty(squeeze[0], dtype=torch.uint8, device=batch["tokens"].device)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])
 
@@ -226,14 +235,17 @@ def train(args: argparse.Namespace) -> None:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad(set_to_none=True)
             fail = args.fail_rank == coordinates.rank and args.fail_iteration == iteration + 1
+            squeezed = args.squeeze_rank == coordinates.rank and args.squeeze_iteration == iteration + 1
+            squeeze = [args.squeeze_bytes] if squeezed and args.squeeze_bytes else []
             reduced = forward_backward(
-                forward_step_func=functools.partial(forward_step, fail), data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                forward_step_func=functools.partial(forward_step, fail, squeeze), data_iterator=iterators if len(chunks) > 1 else iterators[0],
                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=args.micro_batches,
                 seq_length=seq_length_at(args, iteration), micro_batch_size=args.micro_batch_size, forward_only=False,
             )
             for p in parameters:
                 p.grad = p.main_grad
             optimizer.step()  # closes the iteration (install(optimizer=...))
+            squeeze.clear()
             row = record.add(chameleon.last_report)
             loss = sum(float(d["lm loss"]) for d in reduced) / len(reduced) if last_stage and reduced else None
             progress(args, iteration, loss, row, gather((coordinates.pp_rank, coordinates.tp_rank, coordinates.dp_rank, loss, row)),

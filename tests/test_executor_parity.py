@@ -96,10 +96,10 @@ def test_parameters_and_tensors_packed_in_backward_are_never_swapped():
     swapped_keys, swapped_in_backward = [], []
     original = chameleon.device.copy_to_host
 
-    def spy(storage):
+    def spy(storage, stream=None):
         swapped_keys.append(storage._cdata)
         swapped_in_backward.append(torch._C._current_graph_task_id() != -1)
-        return original(storage)
+        return original(storage, stream)
 
     chameleon.device.copy_to_host = spy
     tokens, labels = lm_batch(0)

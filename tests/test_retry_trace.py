@@ -4,7 +4,6 @@
 the saved-bytes list and the report's counters must describe only the attempt that completed, exactly as
 a run without the retry would have recorded them."""
 
-import time
 
 import pytest
 import torch
@@ -187,20 +186,24 @@ def test_the_trace_times_the_completed_attempt_and_its_own_stall():
     chameleon = Chameleon({"min_swap_bytes": 0, **WARMUP_ONLY}, device=device)
     chameleon.attach(model)
     step = _closure(model)
-    starts = []  # (time, device stall) when each attempt began
+    starts = []  # (device-time mark, device stall) when each attempt began
+    timer = device.timer()  # (times are device time: the trace's too)
 
     def closure():
-        starts.append((time.perf_counter(), device.stall_s()))
+        starts.append((timer.mark(), device.stall_s()))
         step()
         if len(starts) == 1:
             raise torch.OutOfMemoryError("injected: out of memory after a whole attempt")
 
     _run(chameleon, closure)
-    end_s = time.perf_counter()
+    end = timer.mark()
+    timer.resolve()
     trace, report = chameleon.last_trace, chameleon.last_report
-    (first_s, first_stall_s), (second_s, second_stall_s) = starts
+    (first, first_stall_s), (second, second_stall_s) = starts
     assert second_stall_s > first_stall_s, "the failed attempt stalled on its swap-ins"
-    assert trace.iteration_s < end_s - (first_s + second_s) / 2, "the trace spans the second attempt, not both"
+    both_s, second_only_s = timer.elapsed_s(first, end), timer.elapsed_s(second, end)
+    assert trace.iteration_s <= second_only_s < both_s, "the trace spans the second attempt, not both"
+    assert trace.iteration_s > 0.5 * second_only_s
     assert chameleon.controller.trace_stall_s == {trace.iteration: pytest.approx(device.stall_s() - second_stall_s)}
     assert report.stall_s == pytest.approx(device.stall_s() - first_stall_s), "the report's stall is the iteration's"
 

@@ -145,26 +145,27 @@ def test_two_runtimes_live_in_one_process():
 
 
 def test_waiting_for_in_flight_swap_outs_averts_out_of_memory_and_is_not_a_passive_swap():
-    """Over a slow link, swap-outs are still in flight when memory runs short: the pressure handler
-    waits for them (their blocks are released) instead of failing; nothing was swapped synchronously."""
-    model = make_lm(0, **MODEL)
-    # exactly the peak of swapping everything over an instant link: over a slow one, in-flight swap-outs
-    # hold memory longer
-    device = EmulatedDevice(_peak(0), h2d_bytes_per_s=50e6, d2h_bytes_per_s=50e6)
-    chameleon = Chameleon(
-        {"min_swap_bytes": 0, "profiler": {"warmup_iterations": 1, "policy_trials": 1}}, device=device
-    )
-    chameleon.attach(model)
-    reference = make_lm(0, **MODEL)
-    _closure(reference, 2)()
-    _step(chameleon, model)
-    report = chameleon.last_report
-    assert report.pressure_waits > 0 and report.passive_swaps == 0 and report.oom_retries == 0
-    assert report.peak_device_bytes <= device.capacity_bytes
-    assert report.stall_s > 0
-    assert chameleon.stage == "gen_policy"
-    for p, q in zip(reference.parameters(), model.parameters()):
-        assert torch.equal(p.grad, q.grad)
+    """Over a slow link the device still holds a swap-out's source while its copy runs; an op that runs short
+    then is relieved by ordering the release after the copy (the compute stream waits: stall), not by a
+    passive swap, and the op runs once more (NOTE [Relief inside the op] in device/dispatch.py)."""
+    from chameleon_dist.executor import IterationContext, SwapExecutor
+
+    mib = 2**20
+    device = EmulatedDevice(8 * mib + 4096, d2h_bytes_per_s=50e6, h2d_bytes_per_s=50e6, host_op_s=1e-6)
+    executor = SwapExecutor(device, min_swap_bytes=0)
+    device.set_pressure_handler(executor.relieve_pressure)
+    x = device.track(torch.randn(mib // 4, generator=torch.Generator().manual_seed(0)).requires_grad_())
+    with device.active(), executor.active(IterationContext()) as counters:
+        z = (x * 2).sin()  # sin saves its input, which only autograd holds: swapped, its copy in flight
+        assert counters.swapped_storages == 1 and device.live_bytes() >= 3 * mib
+        stall_s = device.stall_s()
+        workspace = torch.empty(11 * mib // 2, dtype=torch.uint8)  # fits only once the held source is let go
+        assert counters.pressure_waits == 1 and counters.passive_swaps == 0
+        assert device.dispatch.relieved_ops == 1 and device.stall_s() > stall_s
+        del workspace
+        z.sum().backward()
+    expected = torch.cos(x.detach() * 2) * 2
+    assert torch.equal(x.grad, expected)
 
 
 def test_reports_keep_plain_strings_for_stages_and_transitions():

@@ -53,8 +53,10 @@ MEGATRON_SETTINGS = SettingNames(capacity="device.capacity, --chameleon-device-c
 # A single-rank runtime retries an iteration that ran out of memory (``Chameleon.run_iteration``). In a
 # Megatron job that is impossible: when one rank fails inside its forward or backward, its pipeline peers
 # already wait on its sends and its tensor- and data-parallel peers on its collectives, and none of them
-# can take back what they did. So on every rank: passive swap absorbs pressure inside the op that allocates
-# (the executor swaps kept activations out synchronously); if the rank still cannot go on, the iteration
+# can take back what they did. So on every rank: relief inside the op that allocates absorbs pressure (the
+# dispatch layer, on a GPU and on the emulated device alike: NOTE [Relief inside the op] in
+# device/dispatch.py; the executor releases held sources, evicts prefetches and swaps kept activations out
+# synchronously), and the op runs once more; if the rank still cannot go on, the iteration
 # is closed as failed and the rank raises ``RankOutOfMemoryError`` naming its coordinates. The process
 # exits; torchrun sees a failed worker and stops the others, so the job ends instead of hanging in a
 # collective (spawned ranks: the parent must stop the rest, as ``torch.multiprocessing.spawn`` does).
