@@ -8,7 +8,8 @@ when the previous ones freed too little:
 2. Prefetches: give back device bytes restored ahead of their use while a host copy still exists, the
    ones needed last first: swap-ins started early (a host buffer goes back only when backward uses the
    restored bytes), and restores that reused a device original because its slow swap-out had not landed
-   yet (once it has). Each comes back again on demand, at the cost of another copy (``evicted_prefetches``). Prefetching exists to hide copy time, never to cost an out-of-memory error:
+   yet (once it has). Each comes back again on demand, at the cost of another copy (``evicted_prefetches``;
+   ``SwapEntry.evict``). Prefetching exists to hide copy time, never to cost an out-of-memory error:
    without this step a run could fail at a capacity where the same run without prefetching fits. Not
    done when the allocation under pressure is itself a prefetch (that one is simply skipped).
 3. Passive swap: swap idle kept tensors out synchronously, best fit first (``passive_swaps``).
@@ -62,12 +63,12 @@ class PressureRelief:
             if entry is None or entry.to_host is None:
                 continue  # no host copy (restored and used, recomputed, or never copied)
             before = self.device.live_bytes()
-            if entry.in_flight and not entry.restored:
+            if entry.in_flight:
                 self.device.wait(entry.to_device)  # the copy writes into the block: it must land before it goes
-                entry.to_device = None
-            elif entry.restored and entry.reused_source:
+                entry.evict()
+            elif entry.reused_source:
                 self.device.wait(entry.to_host)  # the host copy must be complete before the original goes
-                entry.device_bytes, entry.reused_source = None, False
+                entry.evict()
             else:
                 continue
             self.counters.evicted_prefetches += 1

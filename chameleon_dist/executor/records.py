@@ -1,8 +1,9 @@
 """What the swap executor hands autograd instead of a saved tensor.
 
 ``SwapEntry`` is one device storage on its way to the host and back (shared by every saved tensor that
-views it); ``SwappedTensor`` is one saved tensor: which entry, and how to rebuild the exact view (dtype,
-size, stride, storage offset) plus what autograd would check on unpack (the version counter).
+views it), its life an explicit ``EntryState`` (NOTE [Swap entry lifecycle] in states.py); ``SwappedTensor``
+is one saved tensor: which entry, and how to rebuild the exact view (dtype, size, stride, storage offset)
+plus what autograd would check on unpack (the version counter).
 """
 
 from __future__ import annotations
@@ -13,23 +14,33 @@ from typing import TYPE_CHECKING
 import torch
 
 from chameleon_dist.device.base import byte_view
+from chameleon_dist.executor.states import ISSUED_STATES, RESTORED_STATES, EntryState, checked_move
 
 if TYPE_CHECKING:
     from chameleon_dist.device.base import CopyHandle, Device
 
 
 class SwapEntry:
-    """One storage swapped out (or, until its planned swap-out op, about to be). Host buffer and restored
-    device bytes live as long as the entry.
+    """One storage swapped out (or, until its planned swap-out op, about to be), or recomputed. Host buffer
+    and restored device bytes live as long as the entry.
 
     A policy places each swap-out at an op (``policy/simulator.py``): until then the entry *holds* the
-    device original (``held``), where the simulator counts it too, and the copy is issued at that op
-    (``issue``); from then on the device holds it until the copy completed (NOTE [Placed swaps] in
-    schedule.py). Without a policy the copy is issued at the save."""
+    device original (``HELD``, ``held``), where the simulator counts it too, and the copy is issued at that
+    op (``issue``); from then on the device holds it until the copy completed (NOTE [Placed swaps] in
+    schedule.py). Without a policy the copy is issued at the save.
+
+    Its life is ``state`` (NOTE [Swap entry lifecycle] in states.py), changed only by its own methods.
+    Data the states own, written only here: ``held`` (the original, while HELD, REFUSED or COPYING),
+    ``to_host`` (the swap-out's handle while its host buffer is taken), ``to_device`` (RESTORING),
+    ``device_bytes`` (the restored states), ``recipe`` (PENDING_RECOMPUTE). Plain data, not states, that
+    the executor sets: ``planned`` (a policy scheduled its swap-in), ``out_in_forward`` (its swap-out is
+    placed in the forward pass), ``reuse_counted`` (a reuse of its original went into the counters),
+    ``writes`` (in-place writes seen since the save), ``trace_index``; fixed at construction: ``nbytes``,
+    ``version``, ``position``, ``ordinal``, ``source``."""
 
     __slots__ = (
-        "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device", "stream",
-        "planned", "writes", "source", "held", "issued", "out_in_forward", "refused", "recipe", "reused_source", "reuse_counted", "abandoned",
+        "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device",
+        "planned", "writes", "source", "held", "_state", "out_in_forward", "recipe", "reuse_counted",
         "__weakref__",
     )
 
@@ -52,43 +63,86 @@ class SwapEntry:
         # completed (NOTE [Release after copy] in device/base.py)
         self.source = weakref.ref(source)
         self.held: torch.UntypedStorage | None = source
-        self.issued = False  # the device-to-host copy was started
+        self._state = EntryState.HELD
         self.out_in_forward = False  # its swap-out is placed in the forward pass (NOTE [Placed swaps])
         self.recipe = None  # a recomputed storage: how to rebuild it (executor/recompute.py); no copies
-        self.refused = False  # the host budget had no room at ``issue``: the entry keeps holding the original
-        self.reused_source = False  # restored by reusing the live original: no copy, no new device bytes
-        self.reuse_counted = False
+        self.reuse_counted = False  # a reuse of its original went into the counters (once per entry)
         self.to_host: CopyHandle | None = None
         self.to_device: CopyHandle | None = None
         self.device_bytes: torch.Tensor | None = None
         self._device = device
-        self.abandoned = False  # its attempt ran out of memory and was retried (``abandon``)
 
+    # ---- the state ----------------------------------------------------------------------------
+    @property
+    def state(self) -> EntryState:
+        return self._state
+
+    def _move(self, to: EntryState) -> None:
+        """The one place the state changes, as the table allows (NOTE [Swap entry lifecycle] in states.py)."""
+        self._state = checked_move(self._state, to)
+
+    @property
+    def awaiting_swap_out(self) -> bool:
+        """HELD: its swap-out is still to be issued."""
+        return self._state is EntryState.HELD
+
+    @property
+    def issued(self) -> bool:
+        """Its swap-out copy was started and the host took it (also once restored after it)."""
+        return self._state in ISSUED_STATES
+
+    @property
+    def refused(self) -> bool:
+        return self._state is EntryState.REFUSED
+
+    @property
+    def restored(self) -> bool:
+        """Device bytes are back: copied in, the original reused, or rebuilt."""
+        return self._state in RESTORED_STATES
+
+    @property
+    def in_flight(self) -> bool:
+        return self._state is EntryState.RESTORING
+
+    @property
+    def reused_source(self) -> bool:
+        """Restored by reusing the live original: no copy, no new device bytes."""
+        return self._state is EntryState.REUSED_AFTER_COPY or self._state is EntryState.REUSED_WITHOUT_COPY
+
+    @property
+    def abandoned(self) -> bool:
+        return self._state is EntryState.ABANDONED
+
+    # ---- transitions --------------------------------------------------------------------------
     def issue(self) -> bool:
-        """Start the device-to-host copy; False (and the original stays held) when the host budget has no
-        room. Call once."""
-        original = self.held if self.held is not None else self.source()
-        self.issued = True
-        handle = self._device.copy_to_host(original, self.stream) if original is not None else None
+        """Start the device-to-host copy (HELD -> COPYING); False (-> REFUSED: the original stays held) when
+        the host budget has no room."""
+        original = self.held  # (None once it left HELD, REFUSED and COPYING: the move below raises then)
+        handle = self._device.copy_to_host(original) if original is not None else None
         if handle is None:
-            self.refused = original is not None
+            self._move(EntryState.REFUSED)
             return False
+        self._move(EntryState.COPYING)
         self.to_host = handle
         return True
 
     def release(self) -> None:
-        """Let go of the device original once its copy is issued (the device holds it until the copy
-        completed). An entry whose copy the host budget refused keeps it: it is the only copy."""
-        if self.issued and not self.refused:
-            self.held = None
+        """Let go of the device original once its copy is issued (COPYING -> RELEASED; the device holds it
+        until the copy completed)."""
+        self._move(EntryState.RELEASED)
+        self.held = None
 
-    @property
-    def restored(self) -> bool:
-        return self.device_bytes is not None
+    def recompute_later(self, recipe) -> None:
+        """HELD -> PENDING_RECOMPUTE: no copy; the original is dropped after its last forward use, like the
+        program's reference, and rebuilt from ``recipe`` when backward needs it (executor/recompute.py)."""
+        self._move(EntryState.PENDING_RECOMPUTE)
+        self.recipe, self.held = recipe, None
 
-    @property
-    def in_flight(self) -> bool:
-        return self.to_device is not None
+    def finish_rebuild(self, device_bytes: torch.Tensor) -> None:
+        """PENDING_RECOMPUTE -> REBUILT: ``device_bytes`` are what its recipe rebuilt; the recipe's inputs may go."""
+        self._move(EntryState.REBUILT)
+        self.device_bytes = device_bytes
+        self.recipe = None
 
     def start_swap_in(self) -> bool:
         """Start the host->device copy unless it is under way or done; True if this call started it.
@@ -96,42 +150,62 @@ class SwapEntry:
         When the device original is still alive (the user holds it, a retained graph does, or its
         swap-out is still in flight), it *is* the restored copy: no transfer and no new device bytes, so
         swapping never needs more device memory than not swapping."""
-        if self.device_bytes is not None or self.to_device is not None:
+        if self.restored or self.in_flight:
             return False
         if self.reuse_source():
             self._release_host_if_copied()
             return False
         # ordered after the swap-out on the link, without making the training stream wait for it
         self.to_device = self._device.copy_to_device(self.to_host.result, after=self.to_host)
+        self._move(EntryState.RESTORING)
         return True
 
     def reuse_source(self) -> bool:
-        """Restore by reusing the device original when it is still alive; False when it is gone."""
+        """Restore by reusing the device original when it is still alive (RELEASED -> REUSED_AFTER_COPY;
+        HELD, REFUSED or PENDING_RECOMPUTE -> REUSED_WITHOUT_COPY); False when it is gone."""
         original = self.source()
         if original is None:
             return False
-        self.device_bytes = byte_view(original)
+        device_bytes = byte_view(original)
+        copied = self._state is EntryState.RELEASED
+        self._move(EntryState.REUSED_AFTER_COPY if copied else EntryState.REUSED_WITHOUT_COPY)
+        self.device_bytes = device_bytes
         self.held = None
-        self.reused_source = True
+        self.recipe = None
         return True
 
     def finish_swap_in(self) -> torch.Tensor:
-        """The device bytes, waiting for the copy if needed; the host buffer goes back to the pool."""
-        if self.device_bytes is None:
+        """The device bytes, waiting for the copy if needed (RESTORING -> RESTORED); the host buffer goes
+        back to the pool."""
+        if not self.restored:
             self.start_swap_in()
-        if self.to_device is not None:
+        if self.in_flight:
             self.device_bytes = self._device.wait(self.to_device)
             self._device.release_host(self.to_host.result)
             self.to_host = None
             self.to_device = None
+            self._move(EntryState.RESTORED)
         return self.device_bytes
 
+    def evict(self) -> None:
+        """Pressure relief gives back a restore made ahead of its use (RESTORING or REUSED_AFTER_COPY ->
+        RELEASED); the caller waited for the copy that touches the bytes (NOTE [Relief under pressure] in
+        pressure.py). It comes back again on demand."""
+        restoring = self._state is EntryState.RESTORING
+        self._move(EntryState.RELEASED)
+        if restoring:
+            self.to_device = None  # the copy's device bytes go with its handle
+        else:
+            self.device_bytes = None
+
     def abandon(self) -> None:
-        """Its attempt ran out of memory and was retried: give back the host buffer (after the copies that
-        touch it) and the restored device bytes. The failed attempt's graph can outlive the attempt, held
-        where the garbage collector cannot reach (PyTorch's engine keeps a graph whose backward raised);
-        it must not keep device or host memory from the retry. Unpacking it afterwards raises."""
-        self.abandoned = True
+        """Its attempt ran out of memory and was retried (-> ABANDONED): give back the host buffer (after the
+        copies that touch it) and the restored device bytes. The failed attempt's graph can outlive the
+        attempt, held where the garbage collector cannot reach (PyTorch's engine keeps a graph whose backward
+        raised); it must not keep device or host memory from the retry. Unpacking it afterwards raises.
+        Every saved tensor of the storage asks: once is enough."""
+        if self._state is not EntryState.ABANDONED:
+            self._move(EntryState.ABANDONED)
         self.device_bytes = None
         self.held = None
         self.recipe = None

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # ``due_op``, the earliest scheduled point (an op with nothing due costs one comparison). Each point is
 # shifted by how far the sequence had moved when the storage was saved (its op count minus the traced
 # ``save_op_index``), so an inserted op or an earlier micro-batch moves its points alike. Until its
-# swap-out is issued the entry holds the device original (``SwapEntry.held``), where the simulator counts
+# swap-out is issued the entry holds the device original (``EntryState.HELD``), where the simulator counts
 # it too. From the issue on, the device holds the original until its copy completed (NOTE [Release after
 # copy] in device/base.py); the release point is where the executor asks the device to let go of every
 # source whose copy completed (``release_completed_sources``: on CUDA a query of the copies' events, no
@@ -77,7 +77,7 @@ class PlacedSchedule:
         taken, waiting = [], []
         for item in self.swap_outs:
             entry = item[2]()
-            if entry is None or entry.issued or entry.restored:
+            if entry is None or not entry.awaiting_swap_out:
                 continue
             if everything or entry.out_in_forward:
                 taken.append(entry)

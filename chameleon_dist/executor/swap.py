@@ -10,6 +10,8 @@ swap-out, release and swap-in (NOTE [Placed swaps] in schedule.py), or, when the
 from its producer's inputs (NOTE [Per-tensor recompute] in recompute.py); one needed before its prefetch
 started is fetched on demand and counted. Under memory pressure the executor lets in-flight swap-outs land, gives
 back prefetches not used yet, then swaps out idle kept tensors synchronously (passive swap): ``pressure.py``.
+Each swapped storage's life is an explicit state (NOTE [Swap entry lifecycle] in ``states.py``): the
+executor reads it and asks the entry to move.
 
 Never swapped: parameters and views of them, what ``protect`` names (engine buffers), tensors that are not
 plain dense device tensors, and anything packed while a backward pass runs (recompute inside backward).
@@ -35,6 +37,7 @@ from chameleon_dist.executor.pressure import PressureRelief
 from chameleon_dist.executor.recompute import ProducerLog, StorageHolders
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
 from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
+from chameleon_dist.executor.states import EntryState
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
 from chameleon_dist.trace.writes import WriteWatch
 from chameleon_dist.units import format_bytes
@@ -392,7 +395,7 @@ class SwapExecutor(PressureRelief):
             entry.release()  # (the device holds the original until its copy completed)
         if release_at > op_count:
             self._schedule(self._placed.releases, release_at, entry)
-        if not entry.issued:
+        if entry.awaiting_swap_out:
             self._schedule(self._placed.swap_outs, issue_at, entry)
             self.counters.delayed_swap_outs += 1
             backward_start = self._matcher.backward_start.get(planned.micro_batch, planned.first_backward_use)
@@ -412,7 +415,7 @@ class SwapExecutor(PressureRelief):
             self.counters.recompute_unavailable += 1
             return None
         entry = SwapEntry(self.device, storage, tensor._version, position=-1, ordinal=planned.save_ordinal)
-        entry.recipe, entry.held = recipe, None  # dropped after its last forward use, like the program's reference
+        entry.recompute_later(recipe)  # (its original goes after its last forward use)
         self._by_storage[storage_key(storage)] = weakref.ref(entry)
         self._watch(storage, entry)
         return entry
@@ -437,11 +440,10 @@ class SwapExecutor(PressureRelief):
         if entry.reuse_source():
             self.counters.reused_original_bytes += entry.nbytes
         else:
-            entry.device_bytes = entry.recipe.run(self._unpack_quietly)
+            entry.finish_rebuild(entry.recipe.run(self._unpack_quietly))  # (its recipe's inputs may go)
             self._watch(entry.device_bytes.untyped_storage(), entry)
             self.counters.recomputed_bytes += entry.nbytes
             self.counters.recomputed_storages += 1
-        entry.recipe = None  # its inputs may go
 
     def _schedule(self, heap: list, at_op: int, entry: SwapEntry) -> None:
         self._placed.add(heap, at_op, entry)
@@ -477,14 +479,13 @@ class SwapExecutor(PressureRelief):
         placed = self._placed
         with self._context.hide_own_ops():
             for entry in placed.due(placed.swap_outs, op_count):
-                if not entry.issued and not entry.restored and self._issue(entry):
+                if entry.awaiting_swap_out and self._issue(entry):
                     entry.release()
-            due = [entry for entry in placed.due(placed.releases, op_count) if entry.issued and not entry.refused]
-            if due:  # the planned release point, ordered on the device: NOTE [Release after copy] in device/base.py
-                for entry in due:
-                    if entry.to_host is not None:
-                        self.device.release_source(entry.to_host)
-                self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due)
+            due = [entry for entry in placed.due(placed.releases, op_count) if entry.issued]
+            if due:  # the planned release point: the device lets go of every source whose copy completed
+                self.device.release_completed_sources()
+                self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due
+                                            if entry.to_host is None or entry.to_host.done())
             if placed.swap_ins and placed.swap_ins[0][0] <= op_count:
                 self._fire_triggers(op_count)
         self.due_op = placed.next_op()
@@ -526,7 +527,7 @@ class SwapExecutor(PressureRelief):
                 self._issue_overdue()
             self.device.release_all_sources()
         entry = packed.entry
-        if not entry.restored and entry.recipe is not None:
+        if entry.state is EntryState.PENDING_RECOMPUTE:
             self._rebuild(entry)
         elif not entry.restored:
             if not entry.in_flight and entry.planned:
