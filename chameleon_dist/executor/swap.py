@@ -34,6 +34,7 @@ from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
 from chameleon_dist.executor.pressure import PressureRelief
+from chameleon_dist.executor.protection import StorageProtection
 from chameleon_dist.executor.recompute import ProducerLog, StorageHolders
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
 from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
@@ -94,10 +95,7 @@ class SwapExecutor(PressureRelief):
         # planned swap-ins wait while they would take the device above this (the runtime: the memory budget)
         self.prefetch_limit_bytes: int | None = None
         self.counters = SwapCounters()
-        self._protected: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._protected_sources: list[Callable[[], Iterable[torch.Tensor]]] = []
-        # storage key -> the storage: a key counts while that storage lives (a freed one's address gets reused)
-        self._protected_storages: dict[int, weakref.ReferenceType[torch.UntypedStorage]] = {}
+        self._protection = StorageProtection()
         self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
         # storage key -> the entries whose bytes live there (swapped originals, restored copies): an
         # in-place write to one is counted on them (``note_writes``)
@@ -125,42 +123,27 @@ class SwapExecutor(PressureRelief):
         """Never swap ``owner``'s tensors or views of them: a module's parameters and buffers, or what a
         callable yields (an engine's own buffers: gradient buckets, workspaces), read when each iteration
         begins. ``protect_now`` adds a buffer made during an iteration."""
-        self._protected.add(owner) if isinstance(owner, nn.Module) else self._protected_sources.append(owner)
+        self._protection.add(owner)
 
     def protect_now(self, tensor: torch.Tensor) -> bool:
         """Protect ``tensor``'s storage until the next iteration begins; False if it already was."""
-        storage = tensor.untyped_storage()
-        if self._protects(storage):
-            return False
-        self._protected_storages[storage_key(storage)] = weakref.ref(storage)
-        return True
+        return self._protection.add_now(tensor)
 
     def is_protected(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s storage is protected now (as the swap path checks it when autograd saves)."""
-        return self._protects(tensor.untyped_storage())
+        return self._protection.protects(tensor.untyped_storage())
 
     def unprotect_now(self, tensor: torch.Tensor) -> None:
         """Undo a ``protect_now`` that returned True (the storage is about to go: its address may be reused)."""
-        self._protected_storages.pop(storage_key(tensor.untyped_storage()), None)
+        self._protection.remove_now(tensor)
 
     def protected_keys(self) -> set[int]:
         """Storage keys of the protected tensors (as of now)."""
         self._refresh_protected()
-        return {key for key, ref in self._protected_storages.items() if ref() is not None}
-
-    def _protects(self, storage: torch.UntypedStorage) -> bool:
-        """Whether ``storage`` is protected: its key is, and the storage protected under it is this one (a
-        storage's Python object lives exactly as long as the storage: a dead reference means freed, and
-        another storage may now sit at that address: ZeRO-3 frees gathered parameters every layer)."""
-        ref = self._protected_storages.get(storage_key(storage))
-        return ref is not None and ref() is storage
+        return self._protection.keys()
 
     def _refresh_protected(self) -> None:
-        modules = (t for module in self._protected for t in [*module.parameters(), *module.buffers()])
-        tensors = [*modules, *(t for source in self._protected_sources for t in source())]
-        self._holders.set_parameters(tensors)
-        storages = (t.untyped_storage() for t in tensors)
-        self._protected_storages = {storage_key(storage): weakref.ref(storage) for storage in storages}
+        self._holders.set_parameters(self._protection.refresh())
 
     @property
     def policy(self) -> Policy | None:
@@ -289,7 +272,7 @@ class SwapExecutor(PressureRelief):
         storage = tensor.untyped_storage()
         if storage.nbytes() < max(self.min_swap_bytes, 1):
             return False
-        if self._protects(storage):
+        if self._protection.protects(storage):
             return False
         return self.device.is_device_tensor(tensor)
 
