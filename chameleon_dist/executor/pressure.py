@@ -1,8 +1,8 @@
 """What the swap executor does when the device is about to run out of memory (``relieve_pressure``).
 
 NOTE [Relief under pressure]
-The device calls ``relieve_pressure(short_bytes)`` before it raises out-of-memory. In order, each step only
-when the previous ones freed too little:
+The device calls the executor's ``relieve_pressure(short_bytes)`` (its ``PressureRelief.relieve``) before it
+raises out-of-memory. In order, each step only when the previous ones freed too little:
 1. Swap-outs: issue the placed ones that are due later, let every in-flight copy land and release its
    source (the time waited is stall; ``pressure_waits``).
 2. Prefetches: give back device bytes restored ahead of their use while a host copy still exists, the
@@ -21,61 +21,102 @@ alone (NOTE [One rank cannot retry alone] in integrations/megatron/install.py).
 from __future__ import annotations
 
 import logging
+import weakref
+from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from chameleon_dist.executor.records import SwappedTensor
 from chameleon_dist.units import format_bytes
+
+if TYPE_CHECKING:
+    from chameleon_dist.device.base import Device
+    from chameleon_dist.executor.context import SwapCounters
+    from chameleon_dist.executor.records import KeptTensor, SwapEntry
+    from chameleon_dist.executor.schedule import PlacedSchedule
 
 logger = logging.getLogger(__name__)
 
 
 class PressureRelief:
-    """The executor's memory-pressure steps (NOTE [Relief under pressure]). A part of ``SwapExecutor``: it
-    uses the executor's ``device``, ``counters``, ``_placed``, ``_order`` (swapped entries in save order),
-    ``_kept`` (kept tensors a passive swap may take), ``_prefetching`` and ``_entry_for``."""
+    """The memory-pressure steps (NOTE [Relief under pressure]) of one ``SwapExecutor``, over what it hands in.
 
-    def relieve_pressure(self, short_bytes: int) -> int:
+    Args:
+        device: the executor's device.
+        counters: this iteration's counters (the executor makes new ones per iteration).
+        schedule: the placed swap-outs, releases and swap-ins of the attempt.
+        entries: the swapped entries in save order (weakly held; the executor clears the list in place).
+        kept: the kept tensors a passive swap may take (weakly held; cleared in place likewise).
+        entry_for: makes (or finds) the entry a kept tensor leaves the device with; None when the host
+            budget has no room.
+        issue_pending_swap_outs: issues every placed swap-out not issued yet, now.
+        prefetching: whether the allocation under pressure is itself a prefetch (then step 2 is skipped).
+    """
+
+    def __init__(
+        self,
+        device: "Device",
+        counters: Callable[[], "SwapCounters"],
+        schedule: "PlacedSchedule",
+        entries: list[weakref.ReferenceType["SwapEntry"]],
+        kept: list[weakref.ReferenceType["KeptTensor"]],
+        entry_for: Callable[[torch.Tensor], "SwapEntry | None"],
+        issue_pending_swap_outs: Callable[[], None],
+        prefetching: Callable[[], bool],
+    ) -> None:
+        self._device = device
+        self._counters = counters
+        self._schedule = schedule
+        self._entries = entries
+        self._kept = kept
+        self._entry_for = entry_for
+        self._issue_pending_swap_outs = issue_pending_swap_outs
+        self._prefetching = prefetching
+
+    def relieve(self, short_bytes: int) -> int:
         """Free at least ``short_bytes`` of device memory if possible; returns the bytes freed."""
-        before = self.device.live_bytes()
-        if self._placed.swap_outs:
-            self._issue_overdue(everything=True)
-        self.device.release_all_sources()
-        self.device.synchronize()
-        freed = max(before - self.device.live_bytes(), 0)
+        counters = self._counters()
+        before = self._device.live_bytes()
+        if self._schedule.swap_outs:
+            self._issue_pending_swap_outs()
+        self._device.release_all_sources()
+        self._device.synchronize()
+        freed = max(before - self._device.live_bytes(), 0)
         waited = freed > 0
-        if freed < short_bytes and not self._prefetching:
-            freed += self._evict_prefetches(short_bytes - freed)
-        passive_swaps = self.counters.passive_swaps
+        if freed < short_bytes and not self._prefetching():
+            freed += self._evict_prefetches(short_bytes - freed, counters)
+        passive_swaps = counters.passive_swaps
         if freed < short_bytes and self._kept:
-            freed += self._passive_swap(short_bytes - freed)
-        if waited and self.counters.passive_swaps == passive_swaps:
-            self.counters.pressure_waits += 1
+            freed += self._passive_swap(short_bytes - freed, counters)
+        if waited and counters.passive_swaps == passive_swaps:
+            counters.pressure_waits += 1
         logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
         return freed
 
-    def _evict_prefetches(self, short_bytes: int) -> int:
+    def _evict_prefetches(self, short_bytes: int, counters: "SwapCounters") -> int:
         """Step 2: restored bytes with a host copy to come back from go, the earliest saved (needed last)
         first. Memory comes free only where nothing else holds the bytes (an op using them now does)."""
         freed = 0
-        for ref in self._order:
+        for ref in self._entries:
             if freed >= short_bytes:
                 break
             entry = ref()
             if entry is None or entry.to_host is None:
                 continue  # no host copy (restored and used, recomputed, or never copied)
-            before = self.device.live_bytes()
+            before = self._device.live_bytes()
             if entry.in_flight:
-                self.device.wait(entry.to_device)  # the copy writes into the block: it must land before it goes
+                self._device.wait(entry.to_device)  # the copy writes into the block: it must land before it goes
                 entry.evict()
             elif entry.reused_source:
-                self.device.wait(entry.to_host)  # the host copy must be complete before the original goes
+                self._device.wait(entry.to_host)  # the host copy must be complete before the original goes
                 entry.evict()
             else:
                 continue
-            self.counters.evicted_prefetches += 1
-            freed += max(before - self.device.live_bytes(), 0)
+            counters.evicted_prefetches += 1
+            freed += max(before - self._device.live_bytes(), 0)
         return freed
 
-    def _passive_swap(self, short_bytes: int) -> int:
+    def _passive_swap(self, short_bytes: int, counters: "SwapCounters") -> int:
         """Step 3: idle kept tensors leave the device synchronously, best fit first."""
         kept = [k for k in (ref() for ref in self._kept) if k is not None and k.swapped is None and k.tensor is not None]
         # best fit: the smallest that covers the shortfall, then the largest ones
@@ -84,15 +125,15 @@ class PressureRelief:
         for k in kept:
             if freed >= short_bytes:
                 break
-            before = self.device.live_bytes()
-            entry = self._entry_for(k.tensor, stream=k.stream)
+            before = self._device.live_bytes()
+            entry = self._entry_for(k.tensor)
             if entry is None:
                 break  # host budget full
             entry.planned = False  # comes back on demand / with the fallback prefetch
             k.swap_out(SwappedTensor(entry, k.tensor))
-            self.device.wait(entry.to_host)
-            self.device.release_all_sources()
-            self.counters.passive_swaps += 1
-            self.counters.passive_swap_bytes += entry.nbytes
-            freed += max(before - self.device.live_bytes(), 0)
+            self._device.wait(entry.to_host)
+            self._device.release_all_sources()
+            counters.passive_swaps += 1
+            counters.passive_swap_bytes += entry.nbytes
+            freed += max(before - self._device.live_bytes(), 0)
         return freed

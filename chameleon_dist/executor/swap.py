@@ -9,9 +9,9 @@ sequence length, batch size or expert load applies to another), each at the ops 
 swap-out, release and swap-in (NOTE [Placed swaps] in schedule.py), or, when the policy says so, rebuilt
 from its producer's inputs (NOTE [Per-tensor recompute] in recompute.py); one needed before its prefetch
 started is fetched on demand and counted. Under memory pressure the executor lets in-flight swap-outs land, gives
-back prefetches not used yet, then swaps out idle kept tensors synchronously (passive swap): ``pressure.py``.
-Each swapped storage's life is an explicit state (NOTE [Swap entry lifecycle] in ``states.py``): the
-executor reads it and asks the entry to move.
+back prefetches not used yet, then swaps out idle kept tensors synchronously (passive swap): its
+``PressureRelief`` (``pressure.py``). Each swapped storage's life is an explicit state (NOTE [Swap entry
+lifecycle] in ``states.py``): the executor reads it and asks the entry to move.
 
 Never swapped: parameters and views of them, what ``protect`` names (engine buffers), tensors that are not
 plain dense device tensors, and anything packed while a backward pass runs (recompute inside backward).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Callable, Iterable, Iterator
@@ -51,7 +52,7 @@ TIGHTEN_FACTOR = 16
 _IDLE = IterationContext()
 
 
-class SwapExecutor(PressureRelief):
+class SwapExecutor:
     """Swaps the activations autograd saves to host memory and back, one iteration at a time.
 
     Inside ``with executor.active(context):`` every tensor autograd saves goes through the executor's
@@ -96,6 +97,7 @@ class SwapExecutor(PressureRelief):
         self.prefetch_limit_bytes: int | None = None
         self.counters = SwapCounters()
         self._protection = StorageProtection()
+        # (``_order``, ``_kept`` and ``_placed`` are shared with the pressure relief: cleared in place, never rebound)
         self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
         # storage key -> the entries whose bytes live there (swapped originals, restored copies): an
         # in-place write to one is counted on them (``note_writes``)
@@ -117,6 +119,16 @@ class SwapExecutor(PressureRelief):
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
         # every tensor this attempt packed (kept or swapped): let go when the attempt is retried
         self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []
+        self._relief = PressureRelief(  # (NOTE [Relief under pressure] in pressure.py)
+            device, counters=lambda: self.counters, schedule=self._placed, entries=self._order, kept=self._kept,
+            entry_for=self._entry_for, issue_pending_swap_outs=functools.partial(self._issue_overdue, everything=True),
+            prefetching=lambda: self._prefetching,
+        )
+
+    def relieve_pressure(self, short_bytes: int) -> int:
+        """Free at least ``short_bytes`` of device memory if possible; returns the bytes freed (NOTE [Relief
+        under pressure] in pressure.py). The runtime installs it as the device's pressure handler."""
+        return self._relief.relieve(short_bytes)
 
     # ---- setup ------------------------------------------------------------------------------
     def protect(self, owner: nn.Module | Callable[[], Iterable[torch.Tensor]]) -> None:
