@@ -3,7 +3,9 @@ the table allows works, every other one raises, and the executor's operations wa
 
 from __future__ import annotations
 
+import ast
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,6 +63,23 @@ def test_derived_flags_cannot_be_assigned_from_outside():
     for name in ("state", "issued", "refused", "restored", "in_flight", "reused_source", "abandoned"):
         with pytest.raises(AttributeError):
             setattr(entry, name, True)
+
+
+def test_only_records_writes_an_entrys_lifecycle_fields():
+    """The state and the data the states own are written by ``SwapEntry``'s own methods alone."""
+    owned = {"_state", "held", "to_host", "to_device", "device_bytes", "recipe"}
+    package = Path(__file__).resolve().parents[1] / "chameleon_dist"
+    offenders = []
+    for path in package.rglob("*.py"):
+        if path.relative_to(package).as_posix() == "executor/records.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(t, ast.Attribute) and t.attr in owned:
+                        offenders.append(f"{path.relative_to(package)}:{node.lineno} .{t.attr}")
+    assert not offenders, offenders
 
 
 # ---- the entry's own methods ------------------------------------------------------------------
