@@ -91,7 +91,8 @@ def test_swap_out_release_swap_in_restore():
     assert entry.issue() and entry.state is S.COPYING and entry.issued and entry.held is not None
     entry.release()
     assert entry.state is S.RELEASED and entry.held is None
-    del tensor  # the original goes (the instant link's copy is done): the bytes come back by a copy
+    del tensor  # the program lets go; the device holds the original until a release orders it after the copy
+    device.release_all_sources()  # ... so the bytes come back by a copy
     assert entry.start_swap_in() and entry.state is S.RESTORING and entry.in_flight
     assert not entry.start_swap_in()  # under way: no second copy
     restored = entry.finish_swap_in()

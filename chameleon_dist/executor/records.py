@@ -40,7 +40,7 @@ class SwapEntry:
 
     __slots__ = (
         "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device",
-        "planned", "writes", "source", "held", "_state", "out_in_forward", "recipe", "reuse_counted",
+        "stream", "planned", "writes", "source", "held", "_state", "out_in_forward", "recipe", "reuse_counted",
         "__weakref__",
     )
 
@@ -118,7 +118,7 @@ class SwapEntry:
         """Start the device-to-host copy (HELD -> COPYING); False (-> REFUSED: the original stays held) when
         the host budget has no room."""
         original = self.held  # (None once it left HELD, REFUSED and COPYING: the move below raises then)
-        handle = self._device.copy_to_host(original) if original is not None else None
+        handle = self._device.copy_to_host(original, self.stream) if original is not None else None
         if handle is None:
             self._move(EntryState.REFUSED)
             return False

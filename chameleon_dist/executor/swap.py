@@ -477,10 +477,11 @@ class SwapExecutor:
                 if entry.awaiting_swap_out and self._issue(entry):
                     entry.release()
             due = [entry for entry in placed.due(placed.releases, op_count) if entry.issued]
-            if due:  # the planned release point: the device lets go of every source whose copy completed
-                self.device.release_completed_sources()
-                self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due
-                                            if entry.to_host is None or entry.to_host.done())
+            if due:  # the planned release point, ordered on the device: NOTE [Release after copy] in device/base.py
+                for entry in due:
+                    if entry.to_host is not None:
+                        self.device.release_source(entry.to_host)
+                self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due)
             if placed.swap_ins and placed.swap_ins[0][0] <= op_count:
                 self._fire_triggers(op_count)
         self.due_op = placed.next_op()
