@@ -33,7 +33,10 @@ from chameleon_dist.device.host_pool import HostBufferPool
 #     allocator reuses blocks in stream order, so the block is handed out again only after the copy. On a
 #     GPU the host runs far ahead of the device, so a copy issued a few ops ago has usually not even
 #     started: a release that only took finished copies would free nothing in the forward pass;
-#   * at ``release_all_sources``, the same for every held source (backward begins, memory pressure, a retry);
+#   * at ``release_all_sources``, the same for every held source (backward begins, memory pressure, a retry,
+#     and each save in WarmUp, which has no release points: waiting for finished copies there would keep
+#     the whole forward pass on the device, and the detailed trace would take the device's hold for the
+#     program's, shrinking every candidate's window);
 #   * at ``release_completed_sources``, the copies whose done-event has fired (no waiting, no stall).
 #   No ``record_stream`` anywhere (the paper's "custom recordStream").
 # - The swap-in's device destination, allocated on the compute stream and written by the copy. A handle

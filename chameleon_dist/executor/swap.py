@@ -306,12 +306,8 @@ class SwapExecutor:
         site = self._site(tensor) if wanted else ""
         if self._context.observer is not None:
             self._context.observer.on_saved(tensor, site)
-        if self._matcher is None:
-            # WarmUp swaps everything with no release points: each save lets go of the sources issued
-            # before it, ordered on the device (on a GPU the host runs ahead, so a copy is rarely done by
-            # then; waiting for that would keep the whole forward pass on the device, and the detailed
-            # trace would take the device's hold for the program's). NOTE [Release after copy]
-            self.device.release_all_sources()
+        if self._matcher is None:  # WarmUp has no release points: each save lets go of the earlier sources,
+            self.device.release_all_sources()  # ordered on the device (NOTE [Release after copy] in base.py)
         else:
             self.device.release_completed_sources()
         entry = None
