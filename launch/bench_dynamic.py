@@ -1,9 +1,10 @@
 """Dynamic sequences (issue 12): Chameleon at half the unswapped peak against a plain loop, on models whose
-operator sequence changes from iteration to iteration, with the host link emulated at an accelerator preset.
+operator sequence changes from iteration to iteration, on a simulated device: ``--preset`` at its real rates,
+on the device clock, with ``--host-op-s`` host seconds per op (default 2e-5: runs repeat exactly;
+``measured``: the host's own time). See launch/device_clock.py for what each figure means.
 
 Two cases, each training two copies of one plain-PyTorch GPT (launch/toy_gpt.py; identical initialisation,
-the same batches, plain SGD) on their own ``EmulatedDevice``, whose links are calibrated to ``--preset``
-with one CPU matmul measurement (as in launch/bench_executor.py):
+the same batches, plain SGD) on their own ``EmulatedDevice``:
 
 - ``moe``: every odd layer's MLP is an eager top-2 mixture of ``--experts`` experts with a skewed router, and
   an expert that receives no token does not run (``skip_idle_experts``, like Hugging Face Mixtral's eager
@@ -16,13 +17,16 @@ Per case:
 
 1. plain: ``enabled: false`` (metering and the cheap signature only, nothing swapped), capacity unbounded:
    the reference time. A first, untimed pass of the same loop over all the case's batches measures the
-   unswapped peak (the maximum over the iterations).
+   unswapped peak (the maximum over the iterations), the saved activation bytes and the forward pass's
+   device time (compute-stream busy seconds) of every iteration.
 2. chameleon: capacity = ``--capacity-fraction`` (0.5) x that peak, ``memory_budget`` left at its default,
    ``min_swap_bytes`` = ``--min-swap-kib``.
 
-Both run the same iterations interleaved (plain first in even iterations, chameleon first in odd ones), so
-both see the same machine noise. Reported: the median over chameleon's Stable iterations of its iteration
-time over the plain loop's time in the same iteration (``ratio``); the share of the iterations after the
+Both run the same iterations interleaved (plain first in even iterations, chameleon first in odd ones).
+Reported: the median over chameleon's Stable iterations of its iteration device time over the plain loop's
+in the same iteration (``ratio``); stall and host-bound share (device idle waiting for the host) in Stable;
+the share of the saved bytes moved to the host in Stable, next to the physical bound (the median over the
+iterations of min(1, link rate x forward device time / saved bytes)); the share of the iterations after the
 first WarmUp + GenPolicy stretch that ran in Stable (``last_report.stage``); passive swaps
 (``last_report.passive_swaps``, all iterations); the peak over the capacity; the stage transitions back to
 WarmUp (``last_report.stage_transition``, with their reasons); and whether every loss and the final
@@ -30,22 +34,20 @@ parameters are ``torch.equal`` to the plain run's. Should chameleon raise ``OutO
 retry failed), the case stops at that iteration and says so; the losses before it are still compared.
 Gradients stay allocated between steps (``zero_grad(set_to_none=False)``), one torch thread by default.
 
-Times are emulated: the model computes on this CPU and the link is slowed to the preset's FLOP per link
-byte against this CPU's matmul rate. Small models move many bytes per FLOP, so the ratio is dominated by
-the link once half the activations must leave the device: a layer of hidden size h computes about h FLOP
-per byte it saves, and an H100 PCIe link needs ~13,700 FLOP of compute to hide each byte it moves, so
-half the activations can only leave in the compute's shadow from h in the thousands (and as many tokens,
-or the parameters dominate the peak). ``--instant-link`` takes the link out: the ratio is then the
-runtime's own cost (signature, matching, profiling, trials) on a sequence that keeps changing.
+``--instant-link`` makes the copies take no time (the preset's compute, an infinitely fast link): the ratio
+is then the runtime's own cost (signature, matching, profiling, trials, the ops its hooks add) on a sequence
+that keeps changing.
 
-    .venv/bin/python launch/bench_dynamic.py --json runs/bench_dynamic.json   # ~5 min on 2 cores
+    .venv/bin/python launch/bench_dynamic.py --json runs/bench_dynamic.json   # a few minutes on 2 cores
+    .venv/bin/python launch/bench_dynamic.py --host-op-s measured             # the host's measured time
     .venv/bin/python launch/bench_dynamic.py --instant-link --min-swap-kib 1  # the runtime's own cost
-    .venv/bin/python launch/bench_dynamic.py --small                          # ~30 s (smoke test)
+    .venv/bin/python launch/bench_dynamic.py --small                          # seconds (smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -58,7 +60,11 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from bench_executor import MIB, Variant, host_batch  # noqa: E402
+from device_clock import (  # noqa: E402
+    DeviceSpan, add_device_arguments, device_figures, host_bound_label, make_device, median_of, physical_bound,
+)
 from machine_info import run_benchmark  # noqa: E402
+from saved_activations import SavedActivations  # noqa: E402
 from toy_gpt import GPT, MoEFeedForward  # noqa: E402
 
 import torch
@@ -66,7 +72,6 @@ import torch
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +125,39 @@ class CaseVariant(Variant):
         self.emulation = None
         self.losses: list[torch.Tensor] = []
         self.records: list[dict] = []
+        self.first_round = 0
+        # time_forward: the forward pass's device time (two marks, no cost); note_saved: the saved activation bytes
+        # (a saved-tensor hook: autograd then hands it a detach of every saved output, one more op each, so only the
+        # untimed measurement pass notes them)
+        self.time_forward = self.note_saved = False
+        self._forward: dict = {}
+
+    def _closure(self, batch: torch.Tensor):
+        if not (self.time_forward or self.note_saved):
+            return super()._closure(batch)
+        saved = SavedActivations(self.model.parameters(), self.device.is_device_tensor)
+
+        def closure() -> torch.Tensor:
+            span = DeviceSpan(self.device).start(stall=False)  # inside the iteration: resolve nothing
+            data = batch.clone()
+            with saved.hooks() if self.note_saved else contextlib.nullcontext():
+                logits = self.model(data[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
+            self._forward = {**span.stop(), "saved_bytes": sum(saved.bytes_by_storage.values())}
+            loss.backward()
+            return loss.detach()
+
+        return closure
 
     def step(self, batch: torch.Tensor) -> dict:
         record = super().step(batch)
         r = self.chameleon.last_report
         record.update(sequence_changed=r.sequence_changed, sequence_differs=r.sequence_differs, num_ops=r.num_ops,
                       matched_fuzzy=r.matched_fuzzy)
+        if self.time_forward:
+            record.update(forward_busy_s=self._forward["compute_busy_s"], forward_elapsed_s=self._forward["elapsed_s"])
+        if self.note_saved:
+            record.update(saved_bytes=self._forward["saved_bytes"])
         return record
 
     def idle_experts(self) -> int:
@@ -143,23 +175,25 @@ def first_plan_end(stages: list[str]) -> int:
     return i
 
 
-def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
-    """The case's unswapped peak (an untimed plain pass), then the plain loop and chameleon interleaved."""
+def run_case(case: Case, args: argparse.Namespace) -> dict:
+    """The case's unswapped peak, saved bytes and forward device times (an untimed plain pass), then the plain
+    loop and chameleon interleaved."""
 
     def device(capacity: int) -> EmulatedDevice:
-        if args.instant_link:  # copies take no time: what is left is the runtime's own cost
-            return EmulatedDevice(capacity)
-        return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
+        # --instant-link: copies take no time, what is left is the runtime's own cost
+        return make_device(args, capacity, instant_link=args.instant_link)
 
     n = args.iterations
     start_s = time.perf_counter()
     measure = CaseVariant("measure", case, args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    measure.note_saved = True
     idle = []
     for i in range(n):
         measure.step(case.batch(args, i))
         idle.append(measure.idle_experts())
     peaks = [r["peak_bytes"] for r in measure.records]
     unswapped_peak = max(peaks)
+    saved_bytes = [r["saved_bytes"] for r in measure.records]
     capacity_bytes = int(args.capacity_fraction * unswapped_peak)
     measure_s = time.perf_counter() - start_s
 
@@ -167,6 +201,7 @@ def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
     if args.policy_trials is not None:
         config["profiler"] = {"policy_trials": args.policy_trials}
     plain = CaseVariant("plain", case, args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    plain.time_forward = True
     cham = CaseVariant("chameleon", case, args, device(capacity_bytes), config)
     start_s = time.perf_counter()
     failure = None
@@ -190,6 +225,10 @@ def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
     rounds_s = time.perf_counter() - start_s
 
     done = len(cham.records)  # n, or the iteration in which chameleon failed
+    # the physical bound per iteration: the plain loop's forward device time, the measurement pass's saved bytes
+    d2h_bytes_per_s = plain.device.d2h_bytes_per_s
+    bounds = [physical_bound(d2h_bytes_per_s, r["forward_busy_s"], b) for r, b in zip(plain.records, saved_bytes)]
+    gap_bounds = [physical_bound(d2h_bytes_per_s, r["forward_elapsed_s"], b) for r, b in zip(plain.records, saved_bytes)]
     stages = [r["stage"] for r in cham.records]
     begin = first_plan_end(stages)
     after = range(begin, done)
@@ -231,6 +270,20 @@ def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
                                       if stable else None),
         "swap_out_mib_stable": (statistics.median(cham.records[i]["swap_out_bytes"] for i in stable) / MIB
                                 if stable else None),
+        # moved = swap-out bytes / the iteration's saved activation bytes; bound = min(1, d2h x forward device time /
+        # saved bytes), both per iteration (the length changes them), medians over Stable (the bound: every iteration)
+        "moved_share_stable": (statistics.median(cham.records[i]["swap_out_bytes"] / saved_bytes[i] for i in stable)
+                               if stable else None),
+        "physical_bound": statistics.median(bounds) if bounds else None,
+        "physical_bound_range": [min(bounds), max(bounds)] if bounds else None,
+        "bound_with_host_gaps": statistics.median(gap_bounds) if gap_bounds else None,
+        "forward_device_s": median_of(plain.records, "forward_busy_s"),
+        "forward_elapsed_s": median_of(plain.records, "forward_elapsed_s"),
+        "saved_activation_bytes": statistics.median(saved_bytes),
+        "host_bound_share_stable": median_of([cham.records[i] for i in stable], "host_bound_share"),
+        "plain_host_bound_share": median_of(plain.records[:done], "host_bound_share"),
+        "device_ops_stable": median_of([cham.records[i] for i in stable], "device_ops"),
+        "plain_device_ops": median_of(plain.records[:done], "device_ops"),
         "passive_swaps": sum(r["passive_swaps"] for r in cham.records),
         "passive_swaps_stable": sum(cham.records[i]["passive_swaps"] for i in stable),
         "oom_retries": sum(r["oom_retries"] for r in cham.records),
@@ -254,7 +307,8 @@ def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
         "chameleon_iterations": [{"iteration": i, "seq": case.seq_lengths[i], "stage": r["stage"],
                                   "policy": r["policy"],
                                   "iteration_s": r["iteration_s"], "plain_s": plain.records[i]["iteration_s"],
-                                  "stall_s": r["stall_s"], "peak_mib": r["peak_bytes"] / MIB,
+                                  "stall_s": r["stall_s"], "host_bound_share": r["host_bound_share"],
+                                  "device_ops": r["device_ops"], "peak_mib": r["peak_bytes"] / MIB,
                                   "swap_out_mib": r["swap_out_bytes"] / MIB, "passive_swaps": r["passive_swaps"],
                                   "oom_retries": r["oom_retries"], "unmatched": r["unmatched"],
                                   "matched_fuzzy": r["matched_fuzzy"], "sequence_changed": r["sequence_changed"],
@@ -266,23 +320,18 @@ def run_case(case: Case, args: argparse.Namespace, flops: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    flops = measure_matmul_flop_per_s()
-    calibration = calibrate(args.preset, flops)
     cases = {}
     gc.collect()
     gc.freeze()  # what is alive now (torch and the rest) is not scanned again by each step's gc.collect()
     try:
         for name in args.cases:
             logger.info("case %s ...", name)
-            cases[name] = run_case(make_case(name, args), args, flops)
+            cases[name] = run_case(make_case(name, args), args)
     finally:
         gc.unfreeze()
     return {
         "instant_link": args.instant_link,
-        "calibration": {"preset": args.preset, "description": calibration.preset.description,
-                        "cpu_flop_per_s": flops, "h2d_bytes_per_s": calibration.h2d_bytes_per_s,
-                        "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
-                        "flop_per_link_byte": calibration.preset.h2d_flop_per_byte, "text": calibration.describe()},
+        "device": device_figures(args, instant_link=args.instant_link),
         "cases": cases,
         "checks": {"all_bit_identical": all(c["bit_identical"] is True for c in cases.values()),
                    "no_failure": not any(c["failed"] for c in cases.values()),
@@ -296,34 +345,42 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_report(r: dict) -> None:
-    m, cal, c = r["machine"], r["calibration"], r["config"]
+    m, dev, c = r["machine"], r["device"], r["config"]
     print(f"command: {r['command']}")
     print(f"date: {r['date']}; {m['cpu']} ({m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}; "
           f"load average {m['load_average_before']:.2f} before, {m['load_average_after']:.2f} after "
           f"(other jobs share this machine)")
-    if r.get("instant_link"):
-        print("emulated (CPU), link = instant (copies take no time: the ratio is the runtime's own cost); all times "
-              "are emulated")
-    else:
-        print(f"emulated (CPU), link = {cal['preset']} calibrated: {cal['h2d_bytes_per_s'] / 1e6:.2f} MB/s each way "
-              f"(CPU matmul {cal['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s, {cal['flop_per_link_byte']:,.0f} FLOP per link "
-              f"byte as on {cal['description']}); all times are emulated")
+    print(f"ALL FIGURES EMULATED: {dev['text']}; {dev['host']}"
+          + ("; --instant-link: copies take no time (the ratio is the runtime's own cost)" if r.get("instant_link") else ""))
     print(f"model: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']}, vocab "
           f"{c['vocab']}, fp32, SGD; {c['iterations']} iterations per case, plain and chameleon interleaved; "
           f"chameleon capacity {c['capacity_fraction']:g} x the unswapped peak, memory_budget default, "
           f"min_swap_bytes {c['min_swap_kib']:g} KiB")
     print()
-    print(f"{'case':<9}{'plain s':>8}{'ratio':>7}{'stable':>8}{'passive':>8}{'peak/cap':>9}{'->warmup':>9}"
-          f"{'peak MiB':>9}{'cap MiB':>8}{'bit-identical':>15}")
+    print(f"{'case':<9}{'plain ms':>9}{'ratio':>7}{'stall %':>8}{'host-bd %':>10}{'plain hb %':>11}{'moved %':>8}"
+          f"{'bound %':>8}{'stable':>8}{'passive':>8}{'peak/cap':>9}{'->warmup':>9}{'peak MiB':>9}{'cap MiB':>8}"
+          f"{'bit-identical':>15}   (emulated)")
     for name, v in r["cases"].items():
         verdict = {True: "yes", False: "NO", None: "n/a"}[v["bit_identical"]]
         same = f"{verdict} {v['losses_equal']}/{v['losses_compared']}"
-        print(f"{name:<9}{_fmt(v['plain_median_s'], '.3f'):>8}{_fmt(v['ratio'], '.2f'):>7}"
+        plain_ms = None if v["plain_median_s"] is None else v["plain_median_s"] * 1e3
+        print(f"{name:<9}{_fmt(plain_ms, '.3f'):>9}{_fmt(v['ratio'], '.3f'):>7}{_fmt(v['stall_share_stable'], '.1%'):>8}"
+              f"{_fmt(v['host_bound_share_stable'], '.1%'):>10}{_fmt(v['plain_host_bound_share'], '.1%'):>11}"
+              f"{_fmt(v['moved_share_stable'], '.1%'):>8}{_fmt(v['physical_bound'], '.1%'):>8}"
               f"{_fmt(v['stable_share'], '.0%'):>8}"
               f"{v['passive_swaps']:>8}{v['peak_over_capacity']:>9.2f}{v['transitions_to_warmup']:>9}"
               f"{v['peak_bytes'] / MIB:>9.2f}{v['capacity_bytes'] / MIB:>8.2f}{same:>15}")
-    print("  ratio = median over Stable iterations of chameleon / plain (same iteration); stable = share of the "
-          "iterations after the first WarmUp + GenPolicy that ran in Stable; passive = passive swaps, all iterations")
+    print("  device times (emulated); ratio = median over Stable iterations of chameleon / plain (same iteration); "
+          "stall % = stall in Stable / plain time; host-bd % = chameleon's device idle waiting for the host "
+          "(iteration - compute busy - stall) / iteration in Stable, plain hb % the plain loop's; moved % = swap-out "
+          "bytes / saved activation bytes in Stable; bound % = physical bound (median over iterations of min(1, link "
+          "rate x forward device time / saved bytes)); stable = share of the iterations after the first WarmUp + "
+          "GenPolicy that ran in Stable; passive = passive swaps, all iterations")
+    bound = [name for name, v in r["cases"].items() if host_bound_label(v["host_bound_share_stable"]) == "host-bound"]
+    print("  host-bound (> 50% in Stable): " + (", ".join(bound) if bound else "none")
+          + "; ops/it in Stable (plain): " + ", ".join(
+              f"{name} {_fmt(v['device_ops_stable'], '.0f')} ({_fmt(v['plain_device_ops'], '.0f')})"
+              for name, v in r["cases"].items()))
     for name, v in r["cases"].items():
         mod = v["model"]
         print(f"{name}: {v['description']}; {mod['parameters'] / 1e3:.0f} k parameters "
@@ -359,9 +416,9 @@ def print_report(r: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
+    add_device_arguments(parser)
     parser.add_argument("--instant-link", action="store_true",
-                        help="copies take no time (no --preset): measures the runtime's own cost on changing sequences")
+                        help="copies take no time (the preset's compute): the runtime's own cost on changing sequences")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--iterations", type=int, default=40, help="iterations per case")
     parser.add_argument("--layers", type=int, default=4)

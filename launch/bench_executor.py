@@ -1,17 +1,19 @@
 """Hidden transfers (issue 5): iteration time and stall with Chameleon against an unconstrained run on the
-same emulated device, with the host link emulated at an accelerator preset; the same ratios for the
-baseline executor (swap every eligible tensor, bring it back on demand) and for PyTorch's ``save_on_cpu``.
+same simulated device (an accelerator preset at its real rates, on the device clock); the same ratios for
+the baseline executor (swap every eligible tensor, bring it back on demand) and for PyTorch's ``save_on_cpu``.
 
 Every variant trains its own copy of one plain-PyTorch GPT (identical initialisation, the same batches,
-plain SGD) on its own ``EmulatedDevice`` whose link is calibrated to ``--preset`` with one CPU matmul
-measurement shared by all devices:
+plain SGD) on its own ``EmulatedDevice`` built from ``--preset`` at the preset's real link rate, with
+``--host-op-s`` host seconds per op (default 2e-5: every run repeats exactly; ``measured``: the host's own
+time). See launch/device_clock.py for what every figure means; all are emulated device-clock figures.
 
 1. unconstrained: ``enabled: false`` (metering and the cheap signature only, nothing swapped), capacity
    unbounded: the reference time.
 2. chameleon: capacity = the unswapped peak minus ``--hide-share`` of the bytes the link moves in one
-   measured forward pass (or ``--capacity-fraction`` x the peak): swapping is needed, and what must leave
-   the device fits in the link's time. WarmUp + GenPolicy trials run in the untimed rounds (more rounds
-   while the runtime is not in Stable, up to twice as many), then the timed rounds follow.
+   forward pass's device time (the compute stream's busy seconds in the unconstrained forward), or
+   ``--capacity-fraction`` x the peak: swapping is needed, and what must leave the device fits in the
+   link's time. WarmUp + GenPolicy trials run in the untimed rounds (more rounds while the runtime is not
+   in Stable, up to twice as many), then the timed rounds follow.
 3. baseline: the same capacity, ``profiler.warmup_iterations: 0`` (no trace, hence no policy: every saved
    tensor >= ``min_swap_bytes`` leaves the device and comes back on demand with a look-ahead of
    ``executor.prefetch_depth``). ``warmup_iterations`` huge would keep it too, but then every iteration
@@ -20,20 +22,24 @@ measurement shared by all devices:
    is a no-op for CPU tensors, so a ``saved_tensors_hooks`` pair does what it does on a GPU: every saved
    activation goes to the host when autograd saves it and comes back when backward unpacks it, each copy
    waited for at once over the emulated link. Capacity unbounded (it cannot choose what to keep); no
-   runtime, only ``device.active()`` metering. Two simplifications, both in its favour: views that share a
-   storage share one copy (PyTorch copies every saved tensor on its own), and parameters saved by matmuls
-   stay (PyTorch copies them too).
+   runtime, only ``device.active()`` metering, its iteration timed by two marks on the compute stream.
+   Two simplifications, both in its favour: views that share a storage share one copy (PyTorch copies
+   every saved tensor on its own), and parameters saved by matmuls stay (PyTorch copies them too).
 
 Gradients stay allocated between steps (``zero_grad(set_to_none=False)``, like a framework's gradient
 buffer), so the peak is where activations are live, not where fresh gradients pile up at the end of
 backward. One torch thread by default: on a shared 2-core machine two threads stall each other.
 
-Iterations are interleaved in rounds (Williams-balanced orders). Per variant: median iteration time, the
-median over rounds of its time over the unconstrained time of the same round, stall as a share of the
-unconstrained time, bytes swapped out per iteration, peak device memory. Losses of every step and the final
+Iterations are interleaved in rounds (Williams-balanced orders; with a fixed host cost the order changes
+nothing, with the measured one it spreads the machine's noise). Per variant: median iteration device time,
+the median over rounds of its time over the unconstrained time of the same round, stall as a share of the
+unconstrained time, the host-bound share (device idle waiting for the host), bytes swapped out per
+iteration and their share of the saved activation bytes next to the physical bound (the share the link
+could move in the forward's compute shadow), peak device memory. Losses of every step and the final
 parameters are compared with ``torch.equal`` to the unconstrained run's.
 
-    .venv/bin/python launch/bench_executor.py --json runs/bench_executor.json   # ~3 min on 2 cores
+    .venv/bin/python launch/bench_executor.py --json runs/bench_executor.json   # a few minutes on 2 cores
+    .venv/bin/python launch/bench_executor.py --host-op-s measured              # the host's measured time
     .venv/bin/python launch/bench_executor.py --small                           # seconds (smoke test)
     .venv/bin/python launch/bench_executor.py --shape llm-like                  # wider layers (see SHAPES)
 
@@ -53,6 +59,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from device_clock import (  # noqa: E402
+    DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label,
+    iteration_figures, make_device, median_of, physical_bound, restart_host_clock,
+)
 from machine_info import run_benchmark  # noqa: E402
 from saved_activations import SavedActivations  # noqa: E402
 from toy_gpt import GPT, forward_matmul_flop  # noqa: E402
@@ -65,7 +75,7 @@ from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
 from chameleon_dist.device.meter import storage_key
-from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
+from chameleon_dist.policy.candidates import find_candidates
 from chameleon_dist.policy.model import Decision
 
 MIB = 2**20
@@ -77,9 +87,9 @@ SAVE_ON_CPU_LABEL = "save_on_cpu semantics emulated (synchronous copies, no pref
 # CPU trains in about a second per iteration: ~725 in fp32, twice the executor shape's (Llama2-7B at seq 4096 in
 # bf16 does ~3,400: fp32 activations take twice the bytes, and the count grows with the hidden size, ~0.375 x
 # hidden + seq / 16 here, so the budget goes to the hidden size rather than to the sequence); two layers, so that
-# one layer's activations can travel while the other computes. Its 16 tokens leave the CPU's matmuls partly
-# memory-bound, so the emulated link moves a larger share of the activations during one forward pass than the
-# FLOP count alone says (as an accelerator below peak does). "small": the smoke test's.
+# one layer's activations can travel while the other computes. With 16 tokens its matmuls are memory-bound on
+# the simulated device (reading the weights takes longer than their FLOPs), so the link moves a larger share of
+# the activations during one forward pass than the FLOP count alone says. "small": the smoke test's.
 SHAPES = {
     "executor": {"layers": 4, "hidden": 1024, "heads": 8, "seq": 32, "batch": 1, "vocab": 512},
     "llm-like": {"layers": 2, "hidden": 2048, "heads": 16, "seq": 16, "batch": 1, "vocab": 512},
@@ -147,7 +157,11 @@ class SaveOnCpuEmulation:
         self.parameter_keys = {storage_key(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
         self.swap_out_bytes = 0
         self.swap_in_bytes = 0
-        self._copies: dict[int, tuple[weakref.ReferenceType, _HostCopy]] = {}
+        # storage key -> (the storage, its copy), both weakly: a copy lives as long as a saved tensor's packed
+        # form holds it, as PyTorch's copies do. (Holding the copy here kept it, and its restored device bytes,
+        # until another storage took the same key, at a point that changes from process to process with the
+        # addresses malloc hands out: the peak differed between runs with the same fixed host cost.)
+        self._copies: dict[int, tuple[weakref.ReferenceType, weakref.ReferenceType]] = {}
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -168,13 +182,13 @@ class SaveOnCpuEmulation:
         if key in self.parameter_keys:
             return tensor
         known = self._copies.get(key)
-        copy = known[1] if known is not None and known[0]() is storage else None
+        copy = known[1]() if known is not None and known[0]() is storage else None
         if copy is None or copy.version != tensor._version:
             handle = self.device.copy_to_host(storage)
             if handle is None:  # host budget full: stays on the device
                 return tensor
             copy = _HostCopy(self.device.wait(handle), tensor._version, self.device.host_pool)
-            self._copies[key] = (weakref.ref(storage), copy)
+            self._copies[key] = (weakref.ref(storage), weakref.ref(copy))
             self.swap_out_bytes += copy.nbytes
         return (copy, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
 
@@ -235,29 +249,34 @@ class Variant:
         return closure
 
     def step(self, batch: torch.Tensor) -> dict:
+        """One iteration; its record's times are device seconds (launch/device_clock.py)."""
         gc.collect()
         closure = self._closure(batch)
+        device = self.device
         if self.chameleon is not None:
+            before = clock_mark(device)
+            restart_host_clock(device)
             loss = self.chameleon.run_iteration(closure, optimizer=self.optimizer)
             r = self.chameleon.last_report
             record = {"iteration_s": r.iteration_s, "stall_s": r.stall_s, "peak_bytes": r.peak_device_bytes,
                       "swap_out_bytes": r.swap_out_bytes, "swap_in_bytes": r.swap_in_bytes, "stage": r.stage,
                       "policy": r.policy, "passive_swaps": r.passive_swaps, "oom_retries": r.oom_retries,
                       "on_demand_fetches": r.on_demand_fetches, "pressure_waits": r.pressure_waits,
-                      "unmatched": r.unmatched, "stage_transition": r.stage_transition}
+                      "unmatched": r.unmatched, "stage_transition": r.stage_transition,
+                      **iteration_figures(r.iteration_s, r.stall_s, clock_delta(device, before), device)}
         else:
-            device = self.device
-            stall_start_s = device.stall_s()
             device.reset_peak()
-            start_s = time.perf_counter()
+            span = DeviceSpan(device).start()
+            restart_host_clock(device)
             with self.emulation.active():
                 loss = closure()
                 self.optimizer.step()
-            record = {"iteration_s": time.perf_counter() - start_s, "stall_s": device.stall_s() - stall_start_s,
+            f = span.stop()
+            record = {"iteration_s": f["elapsed_s"], "stall_s": f["stall_s"],
                       "peak_bytes": device.peak_bytes(), "swap_out_bytes": self.emulation.swap_out_bytes,
                       "swap_in_bytes": self.emulation.swap_in_bytes, "stage": "", "policy": "", "passive_swaps": 0,
                       "oom_retries": 0, "on_demand_fetches": 0, "pressure_waits": 0, "unmatched": 0,
-                      "stage_transition": None}
+                      "stage_transition": None, **iteration_figures(f["elapsed_s"], f["stall_s"], f, device)}
         self.optimizer.zero_grad(set_to_none=False)  # gradients stay in place, like a framework grad buffer
         self.losses.append(loss.clone())  # a copy made outside the iteration: not device memory
         self.records.append(record)
@@ -265,37 +284,47 @@ class Variant:
 
 
 def measure_unswapped(args: argparse.Namespace, measured_iterations: int = 2) -> dict:
-    """Peak device bytes without swapping (enabled: false, unbounded), the forward and iteration times (medians
-    over ``measured_iterations`` after the WarmUp iterations, whose detailed trace costs time) and the sizes of
-    the saved activation storages."""
-    device = EmulatedDevice(UNBOUNDED_CAPACITY_BYTES)
+    """Peak device bytes without swapping (enabled: false, unbounded), the forward pass's device time (the compute
+    stream's busy seconds between a mark before it and one after the loss: the compute's shadow) and its elapsed
+    device time (the two marks apart), the iteration's device time, compute-busy time and host-bound share
+    (medians over ``measured_iterations`` after the WarmUp iterations) and the sizes of the saved activation
+    storages, noted in the first (WarmUp) iteration only: with a saved-tensor hook installed, autograd hands the
+    hook a ``detach`` of every saved output, one more op each, which would lengthen the timed iterations."""
+    device = make_device(args, UNBOUNDED_CAPACITY_BYTES)
     chameleon = Chameleon({"enabled": False}, device=device)
     model = chameleon.attach(make_model(args))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     warmup = chameleon.config.profiler.warmup_iterations
-    peaks, forward_s, iteration_s = [], [], []
+    peaks, forwards, iterations = [], [], []
     saved = SavedActivations(model.parameters(), device.is_device_tensor)
 
     for step in range(warmup + measured_iterations):
         batch = host_batch(args, step)
 
         def closure() -> torch.Tensor:
-            start_s = time.perf_counter()
+            span = DeviceSpan(device).start(stall=False)  # inside the iteration: resolve nothing
             data = batch.clone()
-            saved.bytes_by_storage.clear()
-            with saved.hooks():
+            with saved.hooks() if step == 0 else contextlib.nullcontext():
                 loss = F.cross_entropy(model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
-            forward_s.append(time.perf_counter() - start_s)
+            forwards.append(span.stop())
             loss.backward()
             return loss.detach()
 
         gc.collect()
+        before = clock_mark(device)
+        restart_host_clock(device)
         chameleon.run_iteration(closure, optimizer=optimizer)
         optimizer.zero_grad(set_to_none=False)  # gradients stay in place, like a framework grad buffer
-        peaks.append(chameleon.last_report.peak_device_bytes)
-        iteration_s.append(chameleon.last_report.iteration_s)
+        r = chameleon.last_report
+        peaks.append(r.peak_device_bytes)
+        iterations.append({"iteration_s": r.iteration_s, **iteration_figures(r.iteration_s, r.stall_s,
+                                                                              clock_delta(device, before))})
+    measured = iterations[warmup:]
     return {"peak_bytes": max(peaks[1:]), "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "forward_s": statistics.median(forward_s[warmup:]), "iteration_s": statistics.median(iteration_s[warmup:]),
+            "forward_device_s": statistics.median(f["compute_busy_s"] for f in forwards[warmup:]),
+            "forward_elapsed_s": statistics.median(f["elapsed_s"] for f in forwards[warmup:]),
+            "iteration_s": median_of(measured, "iteration_s"), "iteration_busy_s": median_of(measured, "compute_busy_s"),
+            "host_bound_share": median_of(measured, "host_bound_share"),
             "saved_storage_bytes": sorted(saved.bytes_by_storage.values(), reverse=True)}
 
 
@@ -347,6 +376,11 @@ def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int,
             "bit_identical": losses_equal == len(ref_losses) == len(v.losses) and params_equal == len(ref_params),
             "iteration_s": times,
             "stall_s": [r["stall_s"] for r in rows],
+            "compute_busy_s": median_of(rows, "compute_busy_s"),
+            "host_bound_share": median_of(rows, "host_bound_share"),
+            "host_bound_shares": [r["host_bound_share"] for r in rows],
+            "d2h_busy_s": median_of(rows, "d2h_busy_s"),
+            "device_ops": median_of(rows, "device_ops"),
         }
         stable = [i for i, r in enumerate(rows) if r["stage"] == "stable"]
         if name in stable_figures_for:  # the same figures over the rounds it ran in Stable only
@@ -361,6 +395,47 @@ def _quartiles(values: list[float]) -> list[float]:
         return [values[0], values[0]]
     q = statistics.quantiles(values, n=4)
     return [q[0], q[2]]
+
+
+# ---- capacity -------------------------------------------------------------------------------------
+REDUCTION_CAP = 0.75  # a capacity takes off the peak at most this share of (unswapped peak - swap floor)
+
+
+def measure_swap_floor_bytes(args: argparse.Namespace) -> int:
+    """The lowest peak any swap could reach: every swap candidate (saved storage >= min_swap_bytes) off the device
+    from its last forward use to its first backward use, copies instant. From the detailed trace of the second
+    WarmUp iteration (gradients allocated, as in every later one) of a swap-everything run; the windows are op
+    indices, so the link and the clock do not matter. (The policy generator computes the same floor to explain an
+    infeasible budget; it is not public.)"""
+    variant = Variant("floor", args, make_device(args, UNBOUNDED_CAPACITY_BYTES), {"min_swap_bytes": args.min_swap_bytes})
+    for step in range(max(2, variant.chameleon.config.profiler.warmup_iterations)):
+        variant.step(host_batch(args, step))
+    trace = variant.chameleon.last_trace
+    leaves = [0] * (len(trace.ops) + 1)  # bytes off the device from this op on
+    for candidate in find_candidates(trace, args.min_swap_bytes):
+        leaves[candidate.last_forward_use + 1] += candidate.nbytes
+        leaves[candidate.first_backward_use] -= candidate.nbytes
+    off_bytes, floor_bytes = 0, 0
+    for i, live_bytes in enumerate(trace.no_swap_memory_curve()):
+        off_bytes += leaves[i]
+        floor_bytes = max(floor_bytes, live_bytes - off_bytes)
+    return floor_bytes
+
+
+def plan_capacity(unswapped: dict, floor_bytes: int, link_in_forward_bytes: float, share: float) -> dict:
+    """A capacity: the unswapped peak minus ``share`` x the link's bytes in one forward pass's device time, at most
+    ``REDUCTION_CAP`` of (unswapped peak - swap floor). On an accelerator's real link the forward's shadow often
+    holds more than every saved byte (the physical bound is 100%): then the cap decides, and the plan says so."""
+    wanted_bytes = share * link_in_forward_bytes
+    reduction_bytes = min(wanted_bytes, REDUCTION_CAP * max(0, unswapped["peak_bytes"] - floor_bytes))
+    capacity_bytes = int(unswapped["peak_bytes"] - reduction_bytes)
+    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    return {"capacity_bytes": capacity_bytes, "capacity_fraction": capacity_bytes / unswapped["peak_bytes"],
+            "reduction_needed_bytes": unswapped["peak_bytes"] - capacity_bytes,
+            "reduction_share_of_saved": (unswapped["peak_bytes"] - capacity_bytes) / saved_bytes,
+            "reduction_capped": reduction_bytes < wanted_bytes,
+            "effective_hide_share": reduction_bytes / link_in_forward_bytes if link_in_forward_bytes > 0 else 0.0,
+            "link_bytes_in_forward": link_in_forward_bytes, "swap_floor_bytes": floor_bytes}
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -381,18 +456,42 @@ def baseline_config(args: argparse.Namespace) -> dict:
             "executor": {"prefetch_depth": args.prefetch_depth}, "profiler": {"warmup_iterations": warmup}}
 
 
+def link_figures(d2h_bytes_per_s: float, unswapped: dict) -> dict:
+    """What the link can move in the unswapped run's forward and iteration device times, and the physical bound:
+    the share of the saved activation bytes it moves in the forward's compute shadow (launch/device_clock.py)."""
+    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    return {
+        "emulated": True, "d2h_bytes_per_s": d2h_bytes_per_s, "saved_activation_bytes": saved_bytes,
+        "forward_device_s": unswapped["forward_device_s"], "forward_elapsed_s": unswapped["forward_elapsed_s"],
+        "link_bytes_in_forward": d2h_bytes_per_s * unswapped["forward_device_s"],
+        "link_bytes_in_iteration": d2h_bytes_per_s * unswapped["iteration_s"],
+        "physical_bound": physical_bound(d2h_bytes_per_s, unswapped["forward_device_s"], saved_bytes),
+        "bound_with_host_gaps": physical_bound(d2h_bytes_per_s, unswapped["forward_elapsed_s"], saved_bytes),
+        "unconstrained_host_bound_share": unswapped["host_bound_share"],
+    }
+
+
+def add_moved_shares(summary: dict, saved_bytes: int, bound: float) -> None:
+    """Each variant's share of the saved activation bytes moved to the host per iteration, beside the bound."""
+    for v in summary.values():
+        v["moved_share"] = v["swap_out_mib"] * MIB / saved_bytes
+        v["physical_bound"] = bound
+
+
 def run(args: argparse.Namespace) -> dict:
-    flops = measure_matmul_flop_per_s()
-    calibration = calibrate(args.preset, flops)
     unswapped = measure_unswapped(args)
-    link_in_forward_bytes = calibration.d2h_bytes_per_s * unswapped["forward_s"]
+    d2h_bytes_per_s = make_device(args, 1).d2h_bytes_per_s
+    link = link_figures(d2h_bytes_per_s, unswapped)
+    link_in_forward_bytes = link["link_bytes_in_forward"]
+    floor_bytes = measure_swap_floor_bytes(args)
+    plan = plan_capacity(unswapped, floor_bytes, link_in_forward_bytes, args.hide_share)
     if args.capacity_fraction is not None:
         capacity_bytes = int(args.capacity_fraction * unswapped["peak_bytes"])
-    else:  # take off the peak a share of what the link can move while the forward pass computes
-        capacity_bytes = int(unswapped["peak_bytes"] - args.hide_share * link_in_forward_bytes)
+    else:  # take off the peak a share of what the link can move while the forward pass computes (capped)
+        capacity_bytes = plan["capacity_bytes"]
 
     def device(capacity: int) -> EmulatedDevice:
-        return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
+        return make_device(args, capacity)
 
     variants = {
         "unconstrained": Variant("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
@@ -430,6 +529,7 @@ def run(args: argparse.Namespace) -> dict:
     rounds_s = time.perf_counter() - start_s
     timed = range(warm_rounds, rounds)
     summary = summarize(variants, timed, capacity_bytes)
+    add_moved_shares(summary, link["saved_activation_bytes"], link["physical_bound"])
     trials = [{"policy": t.policy.name, "iteration_s": t.iteration_s, "peak_mib": t.peak_bytes / MIB, "held": t.held}
               for t in cham.controller.results]
     chosen = cham.controller.chosen
@@ -443,22 +543,24 @@ def run(args: argparse.Namespace) -> dict:
         "chameleon_peak_within_capacity": c["peak_mib"] * MIB <= capacity_bytes,
         "all_bit_identical": all(summary[n]["bit_identical"] for n in VARIANTS),
     }
-    link_bytes_per_s = calibration.h2d_bytes_per_s
     flop = model_flop(args)
     return {
-        "calibration": {"preset": args.preset, "description": calibration.preset.description,
-                        "cpu_flop_per_s": flops, "h2d_bytes_per_s": calibration.h2d_bytes_per_s,
-                        "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
-                        "flop_per_link_byte": calibration.preset.h2d_flop_per_byte, "text": calibration.describe()},
+        "device": device_figures(args),
+        "link": link,
         "model": {"parameters": sum(p.numel() for p in variants["unconstrained"].model.parameters()),
                   "parameter_bytes": unswapped["parameter_bytes"], "unswapped_peak_bytes": unswapped["peak_bytes"],
                   "capacity_bytes": capacity_bytes, "capacity_fraction": capacity_bytes / unswapped["peak_bytes"],
                   "capacity_rule": (f"--capacity-fraction {args.capacity_fraction}" if args.capacity_fraction is not None
-                                    else f"peak - {args.hide_share} x link bytes in one forward pass"),
-                  "forward_s": unswapped["forward_s"], "iteration_s": unswapped["iteration_s"],
+                                    else f"peak - {args.hide_share:g} x link bytes in one forward pass"
+                                    + (f", capped at {REDUCTION_CAP:.0%} of (peak - swap floor): hide-share "
+                                       f"{plan['effective_hide_share']:.3g} in effect" if plan["reduction_capped"] else "")),
+                  "swap_floor_bytes": floor_bytes,
+                  "reduction_capped": args.capacity_fraction is None and plan["reduction_capped"],
+                  "forward_device_s": unswapped["forward_device_s"], "forward_elapsed_s": unswapped["forward_elapsed_s"],
+                  "iteration_s": unswapped["iteration_s"], "iteration_busy_s": unswapped["iteration_busy_s"],
                   "reduction_needed_bytes": unswapped["peak_bytes"] - capacity_bytes,
                   "link_bytes_in_forward": link_in_forward_bytes,
-                  "link_bytes_in_iteration": link_bytes_per_s * unswapped["iteration_s"],
+                  "link_bytes_in_iteration": link["link_bytes_in_iteration"],
                   "saved_activation_bytes": sum(unswapped["saved_storage_bytes"]),
                   **flop, "forward_flop_per_saved_byte": flop["forward_matmul_flop"] / sum(unswapped["saved_storage_bytes"]),
                   "eligible_bytes": sum(b for b in unswapped["saved_storage_bytes"] if b >= args.min_swap_bytes),
@@ -485,23 +587,20 @@ def run(args: argparse.Namespace) -> dict:
 
 # ---- report -------------------------------------------------------------------------------------
 def print_report(r: dict) -> None:
-    m, cal, mod = r["machine"], r["calibration"], r["model"]
+    m, dev, link, mod = r["machine"], r["device"], r["link"], r["model"]
     print(f"command: {r['command']}")
     print(f"date: {r['date']}; {m['cpu']} ({m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}; "
           f"load average {m['load_average_before']:.2f} before, {m['load_average_after']:.2f} after "
           f"(other jobs share this machine)")
-    print(f"emulated (CPU), link = {cal['preset']} calibrated: {cal['h2d_bytes_per_s'] / 1e9:.4f} GB/s "
-          f"({cal['h2d_bytes_per_s'] / 1e6:.2f} MB/s each way; CPU matmul {cal['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s, "
-          f"{cal['flop_per_link_byte']:,.0f} FLOP per link byte as on {cal['description']})")
+    print_device(dev)
     c = r["config"]
     print(f"model: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, seq {c['seq']}, batch "
           f"{c['batch']}, vocab {c['vocab']}, fp32, SGD; {mod['parameters'] / 1e6:.2f} M parameters "
           f"({mod['parameter_bytes'] / MIB:.1f} MiB)")
     print(f"unswapped peak {mod['unswapped_peak_bytes'] / MIB:.2f} MiB; capacity {mod['capacity_bytes'] / MIB:.2f} MiB "
           f"({mod['capacity_fraction']:.2%}; {mod['capacity_rule']}): {mod['reduction_needed_bytes'] / MIB:.2f} MiB to take "
-          f"off the peak; the "
-          f"link moves {mod['link_bytes_in_forward'] / MIB:.2f} MiB in one forward pass ({mod['forward_s'] * 1e3:.0f} ms), "
-          f"{mod['link_bytes_in_iteration'] / MIB:.2f} MiB in one iteration ({mod['iteration_s'] * 1e3:.0f} ms)")
+          f"off the peak")
+    print_link(link)
     print(f"saved activations {mod['saved_activation_bytes'] / MIB:.2f} MiB per iteration, {mod['eligible_bytes'] / MIB:.2f} "
           f"MiB in {mod['eligible_storages']} storages >= min_swap_bytes {c['min_swap_bytes'] / 1024:.0f} KiB; "
           f"prefetch depth {c['prefetch_depth']}; {mod['forward_flop_per_saved_byte']:,.0f} forward matmul FLOP per "
@@ -511,14 +610,21 @@ def print_report(r: dict) -> None:
           f"Stable) + {r['rounds']['timed']} timed, Williams-balanced order; "
           f"ratio = median over rounds of (variant / unconstrained, same round)")
     print()
-    print(f"{'variant':<15}{'median s':>9}{'ratio':>7}{'IQR':>13}{'stall ms':>9}{'stall %':>8}{'out MiB/it':>11}"
-          f"{'peak MiB':>9}{'capacity':>9}{'bit-identical':>15}")
+    print(f"{'variant':<15}{'median ms':>10}{'ratio':>7}{'IQR':>13}{'stall ms':>9}{'stall %':>8}{'host-bd %':>10}"
+          f"{'ops/it':>7}{'out MiB/it':>11}{'moved %':>8}{'bound %':>8}{'peak MiB':>9}{'capacity':>9}{'bit-identical':>15}"
+          "   (emulated)")
     for name, v in r["variants"].items():
         cap = "unbound" if v["capacity_mib"] is None else f"{v['capacity_mib']:.2f}"
         iqr = f"{v['ratio_iqr'][0]:.2f}-{v['ratio_iqr'][1]:.2f}"
         same = f"{'yes' if v['bit_identical'] else 'NO'} {v['losses_equal']}/{v['losses_compared']}"
-        print(f"{name:<15}{v['median_iteration_s']:>9.3f}{v['ratio']:>7.3f}{iqr:>13}{v['median_stall_s'] * 1e3:>9.1f}"
-              f"{v['stall_share']:>8.1%}{v['swap_out_mib']:>11.2f}{v['peak_mib']:>9.2f}{cap:>9}{same:>15}")
+        print(f"{name:<15}{v['median_iteration_s'] * 1e3:>10.3f}{v['ratio']:>7.3f}{iqr:>13}{v['median_stall_s'] * 1e3:>9.3f}"
+              f"{v['stall_share']:>8.1%}{v['host_bound_share']:>10.1%}{v['device_ops']:>7.0f}{v['swap_out_mib']:>11.2f}"
+              f"{v['moved_share']:>8.1%}{v['physical_bound']:>8.1%}{v['peak_mib']:>9.2f}{cap:>9}{same:>15}")
+    print(f"  device times (emulated); stall % = stall / unconstrained time of the same round; host-bd % = device idle "
+          f"waiting for the host (iteration - compute busy - stall) / iteration, "
+          f"{host_bound_summary(r['variants'])}; ops/it = aten ops dispatched per iteration (each costs the host "
+          f"{host_cost_text(dev)}); moved % = swap-out bytes / saved activation bytes; bound % = physical bound (the "
+          f"link's bytes in the forward's compute shadow / saved bytes)")
     print(f"  save_on_cpu = {SAVE_ON_CPU_LABEL}; capacity unbounded, no runtime (no signature), views share one "
           f"copy and parameters stay (both favour it)")
     base = r["config"]["baseline_profiled"]
@@ -537,17 +643,17 @@ def print_report(r: dict) -> None:
         print(f"chameleon: NO policy chosen (stages {cv['stages']})")
     warm = [x for x in r["chameleon_rounds"] if x["stage"] == "warmup"]
     if warm:
-        share = sum(x["stall_s"] for x in warm) / sum(x["iteration_s"] for x in warm)
+        share = sum(x["stall_s"] for x in warm) / max(1e-30, sum(x["iteration_s"] for x in warm))
         print(f"  WarmUp iterations (swap all, detailed trace): {len(warm)}, {share:.0%} of their time was stall; the "
               f"trace's iteration time, which calibrates the policy's op times, includes it")
     if cv.get("stable_rounds"):
         print(f"  over the {cv['stable_rounds']} timed rounds in Stable only: ratio {cv['ratio_stable']:.3f}, stall "
               f"{cv['stall_share_stable']:.1%} of the unconstrained time (policy predicted "
               f"{(pol or {}).get('predicted_stall_s', 0) * 1e3:.1f} ms stall)")
-    print("  trials: " + "; ".join(f"{t['policy']} {t['iteration_s'] * 1e3:.0f} ms peak {t['peak_mib']:.2f} MiB "
+    print("  trials: " + "; ".join(f"{t['policy']} {t['iteration_s'] * 1e3:.3f} ms peak {t['peak_mib']:.2f} MiB "
                                    f"{'held' if t['held'] else 'did not hold'}" for t in r["trials"]))
     print("  untimed rounds: " + "; ".join(
-        f"{x['stage']}{'/' + x['policy'] if x['policy'] else ''} {x['iteration_s'] * 1e3:.0f} ms out {x['swap_out_mib']:.2f} MiB"
+        f"{x['stage']}{'/' + x['policy'] if x['policy'] else ''} {x['iteration_s'] * 1e3:.3f} ms out {x['swap_out_mib']:.2f} MiB"
         + (f" passive {x['passive_swaps']}" if x['passive_swaps'] else "") + (f" OOM-retry {x['oom_retries']}" if x['oom_retries'] else "")
         for x in r["chameleon_rounds"][:r["rounds"]["warmup"]]))
     lowered = {n: b for n, b in r["min_swap_bytes_after"].items() if b != c["min_swap_bytes"]}
@@ -563,9 +669,33 @@ def print_report(r: dict) -> None:
     print(f"wall time {r['wall_s']:.0f} s (rounds {r['rounds']['wall_s']:.0f} s)")
 
 
+def print_device(dev: dict) -> None:
+    print(f"ALL FIGURES EMULATED: {dev['text']}; {dev['host']}")
+
+
+def print_link(link: dict, name: str = "the link") -> None:
+    print(f"{name} ({link['d2h_bytes_per_s'] / 1e9:.3g} GB/s device-to-host, real rate) moves "
+          f"{link['link_bytes_in_forward'] / MIB:.2f} MiB in the forward's device time "
+          f"({link['forward_device_s'] * 1e3:.3f} ms of kernels; {link['forward_elapsed_s'] * 1e3:.3f} ms elapsed with "
+          f"the host's gaps) and {link['link_bytes_in_iteration'] / MIB:.2f} MiB in one unconstrained iteration; saved "
+          f"activations {link['saved_activation_bytes'] / MIB:.2f} MiB: physical bound "
+          f"{link['physical_bound']:.1%} of them in the compute's shadow ({link['bound_with_host_gaps']:.1%} counting "
+          f"the host's gaps); unconstrained run {link['unconstrained_host_bound_share']:.1%} host-bound (emulated)")
+
+
+def host_cost_text(dev: dict) -> str:
+    return "its measured time" if dev["host_op_s"] is None else f"{dev['host_op_s'] * 1e6:g} us"
+
+
+def host_bound_summary(variants: dict) -> str:
+    """Which variants the host's pace set (a label for the report: more than half the iteration idle)."""
+    bound = [name for name, v in variants.items() if host_bound_label(v.get("host_bound_share")) == "host-bound"]
+    return f"host-bound (> 50%): {', '.join(bound)}" if bound else "no variant host-bound (> 50%)"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
+    add_device_arguments(parser)
     add_model_arguments(parser, "executor")
     parser.add_argument("--capacity-fraction", type=float, default=None,
                         help="capacity / unswapped peak (default: peak - --hide-share x the bytes the link moves in the "

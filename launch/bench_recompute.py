@@ -1,18 +1,24 @@
 """Where the host link is too slow for swapping alone (issue 13 item 2): Chameleon swap-only, Chameleon
 swap + per-tensor recompute, and whole-layer recomputation (``torch.utils.checkpoint`` per block), against
-an unconstrained run, on one emulated device whose link is calibrated to ``--preset``.
+an unconstrained run, each on its own simulated device: ``--preset`` at its real rates, on the device clock,
+with ``--host-op-s`` host seconds per op (default 2e-5: runs repeat exactly; ``measured``: the host's own
+time). See launch/device_clock.py for what each figure means.
 
 The model (launch/swiglu_lm.py) is full of ops that are cheap to rebuild and costly to copy (RMSNorm,
-SwiGLU, LayerNorm, GELU). The capacity takes ``--cut`` of the saved activations off the unswapped peak:
-far more than the link can carry in one iteration, so the generator says swap-only policies do not fit
-("the host link cannot move enough in time") and swap + recompute rebuilds the cheap tensors instead.
-Whole-layer recomputation keeps only each layer's input and runs every layer's forward twice.
+SwiGLU, LayerNorm, GELU). The capacity takes ``--cut`` of the saved activations off the unswapped peak;
+whether the link can carry that in the compute's shadow is what the physical bound says (the share of the
+saved bytes the link moves in the forward's device time: at a real accelerator link and this fp32 model it
+can be all of them, so swap-only may fit where the old scaled link said it could not). Whole-layer
+recomputation keeps only each layer's input and runs every layer's forward twice.
 
-Rounds are interleaved; per variant: median iteration time over the unconstrained time of the same round,
-peak device memory against the capacity, bytes swapped and recomputed per iteration, and whether losses
-and final parameters are ``torch.equal`` to the unconstrained run's. Every number is emulated.
+Rounds are interleaved; per variant: median iteration device time over the unconstrained time of the same
+round, stall over the unconstrained time, the host-bound share (device idle waiting for the host), peak
+device memory against the capacity, bytes swapped (and their share of the saved activation bytes, next to
+the physical bound) and recomputed per iteration, and whether losses and final parameters are
+``torch.equal`` to the unconstrained run's. Every number is emulated.
 
-    .venv/bin/python launch/bench_recompute.py --json runs/bench_recompute.json   # ~6 min on 2 cores
+    .venv/bin/python launch/bench_recompute.py --json runs/bench_recompute.json   # a few minutes on 2 cores
+    .venv/bin/python launch/bench_recompute.py --host-op-s measured                 # the host's measured time
     .venv/bin/python launch/bench_recompute.py --small                              # seconds
 """
 
@@ -22,10 +28,13 @@ import argparse
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
+from device_clock import (  # noqa: E402
+    DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label, iteration_figures,
+    make_device, median_of, physical_bound, restart_host_clock,
+)
 from machine_info import run_benchmark  # noqa: E402
 from saved_activations import SavedActivations  # noqa: E402
 from swiglu_lm import SwiGLULM  # noqa: E402
@@ -36,7 +45,6 @@ from torch.nn import functional as F
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
 
 MIB = 2**20
 VARIANTS = ("unconstrained", "swap_only", "swap_recompute", "layer_recompute")
@@ -60,29 +68,41 @@ class Runner:
         self.records: list[dict] = []
 
     def step(self, batch: torch.Tensor) -> None:
+        """One iteration; its record's times are device seconds (launch/device_clock.py), with the forward pass's
+        compute-busy and elapsed device time."""
         gc.collect()
+        forward = {}
 
         def closure() -> torch.Tensor:
+            span = DeviceSpan(self.device).start(stall=False)  # inside the iteration: resolve nothing
             data = batch.clone()
             loss = F.cross_entropy(self.model(data[:, :-1]).flatten(0, 1), data[:, 1:].flatten())
+            forward.update(span.stop())
             loss.backward()
             return loss.detach()
 
+        device = self.device
         if self.chameleon is not None:
+            before = clock_mark(device)
+            restart_host_clock(device)
             loss = self.chameleon.run_iteration(closure, optimizer=self.optimizer)
             r = self.chameleon.last_report
             record = {"iteration_s": r.iteration_s, "peak_bytes": r.peak_device_bytes, "stage": r.stage,
                       "policy": r.policy, "swap_out_bytes": r.swap_out_bytes, "recomputed_bytes": r.recomputed_bytes,
-                      "stall_s": r.stall_s, "passive_swaps": r.passive_swaps}
+                      "stall_s": r.stall_s, "passive_swaps": r.passive_swaps,
+                      **iteration_figures(r.iteration_s, r.stall_s, clock_delta(device, before), device)}
         else:
-            self.device.reset_peak()
-            start_s = time.perf_counter()
-            with self.device.active():
+            device.reset_peak()
+            span = DeviceSpan(device).start()
+            restart_host_clock(device)
+            with device.active():
                 loss = closure()
                 self.optimizer.step()
-            record = {"iteration_s": time.perf_counter() - start_s, "peak_bytes": self.device.peak_bytes(),
-                      "stage": "", "policy": "", "swap_out_bytes": 0, "recomputed_bytes": 0, "stall_s": 0.0,
-                      "passive_swaps": 0}
+            f = span.stop()
+            record = {"iteration_s": f["elapsed_s"], "peak_bytes": device.peak_bytes(),
+                      "stage": "", "policy": "", "swap_out_bytes": 0, "recomputed_bytes": 0, "stall_s": f["stall_s"],
+                      "passive_swaps": 0, **iteration_figures(f["elapsed_s"], f["stall_s"], f, device)}
+        record.update(forward_busy_s=forward["compute_busy_s"], forward_elapsed_s=forward["elapsed_s"])
         self.optimizer.zero_grad(set_to_none=False)
         self.losses.append(loss.clone())
         self.records.append(record)
@@ -94,9 +114,7 @@ def batch_for(args: argparse.Namespace, step: int) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> dict:
-    flops = measure_matmul_flop_per_s()
-    calibration = calibrate(args.preset, flops)
-    probe = Runner("probe", args, EmulatedDevice(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    probe = Runner("probe", args, make_device(args, UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
     saved = SavedActivations(probe.model.parameters())
     with saved.hooks():
         probe.step(batch_for(args, 0))
@@ -106,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     capacity_bytes = int(peak_bytes - args.cut * activation_bytes)
 
     def device(capacity: int) -> EmulatedDevice:
-        return EmulatedDevice(capacity, preset=args.preset, cpu_flop_per_s=flops)
+        return make_device(args, capacity)
 
     def config(allow_recompute: bool) -> dict:
         return {"memory_budget": 1.0, "min_swap_bytes": args.min_swap_bytes,
@@ -133,6 +151,11 @@ def run(args: argparse.Namespace) -> dict:
     timed = range(args.warmup_rounds, rounds)
     reference = runners["unconstrained"]
     ref_params = list(reference.model.parameters())
+    ref_rows = [reference.records[i] for i in timed]
+    d2h_bytes_per_s = make_device(args, 1).d2h_bytes_per_s
+    forward_device_s = median_of(ref_rows, "forward_busy_s")
+    forward_elapsed_s = median_of(ref_rows, "forward_elapsed_s")
+    bound = physical_bound(d2h_bytes_per_s, forward_device_s, activation_bytes)
     out = {}
     for name, runner in runners.items():
         rows = [runner.records[i] for i in timed]
@@ -148,6 +171,13 @@ def run(args: argparse.Namespace) -> dict:
             "stall_share": statistics.median(row["stall_s"] / reference.records[i]["iteration_s"]
                                              for row, i in zip(rows, timed)),
             "passive_swaps": sum(row["passive_swaps"] for row in rows),
+            "median_stall_s": statistics.median(row["stall_s"] for row in rows),
+            "host_bound_share": median_of(rows, "host_bound_share"),
+            "compute_busy_s": median_of(rows, "compute_busy_s"),
+            "device_ops": median_of(rows, "device_ops"),
+            "moved_share": statistics.median(row["swap_out_bytes"] for row in rows) / activation_bytes,
+            "physical_bound": bound,
+            "iteration_s": [row["iteration_s"] for row in rows],
             "stages": sorted({row["stage"] for row in rows if row["stage"]}),
             "policies": sorted({row["policy"] for row in rows if row["policy"]}),
             "chosen_feasible": chosen.feasible if chosen is not None else None,
@@ -156,11 +186,16 @@ def run(args: argparse.Namespace) -> dict:
             "bit_identical": all(torch.equal(a, b) for a, b in zip(runner.losses, reference.losses, strict=True))
             and all(torch.equal(a, b) for a, b in zip(runner.model.parameters(), ref_params, strict=True)),
         }
-    return {"link": {"preset": args.preset, "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
-                     "cpu_flop_per_s": flops},
+    return {"device": device_figures(args),
+            "link": {"emulated": True, "preset": args.preset, "d2h_bytes_per_s": d2h_bytes_per_s,
+                     "forward_device_s": forward_device_s, "forward_elapsed_s": forward_elapsed_s,
+                     "link_mib_in_forward": d2h_bytes_per_s * forward_device_s / MIB,
+                     "physical_bound": bound,
+                     "bound_with_host_gaps": physical_bound(d2h_bytes_per_s, forward_elapsed_s, activation_bytes),
+                     "unconstrained_host_bound_share": out["unconstrained"]["host_bound_share"]},
             "unswapped_peak_mib": peak_bytes / MIB, "activation_mib": activation_bytes / MIB,
             "capacity_mib": capacity_bytes / MIB, "link_mib_per_iteration":
-                calibration.d2h_bytes_per_s * reference.records[-1]["iteration_s"] / MIB,
+                d2h_bytes_per_s * statistics.median(row["iteration_s"] for row in ref_rows) / MIB,
             "variants": out}
 
 
@@ -173,15 +208,28 @@ def _best_reason(chameleon: Chameleon | None) -> str:
 
 
 def report(r: dict) -> None:
+    dev, link = r["device"], r["link"]
     print(f"command: {r['command']}")
-    print(f"emulated (CPU), link = {r['link']['preset']} calibrated: {r['link']['d2h_bytes_per_s'] / 1e6:.2f} MB/s each way")
+    print(f"date: {r['date']}; load average {r['machine']['load_average_before']:.2f} before, "
+          f"{r['machine']['load_average_after']:.2f} after (other jobs share this machine)")
+    print(f"ALL FIGURES EMULATED: {dev['text']}; {dev['host']}")
     print(f"unswapped peak {r['unswapped_peak_mib']:.2f} MiB, saved activations {r['activation_mib']:.2f} MiB; capacity "
-          f"{r['capacity_mib']:.2f} MiB; the link moves {r['link_mib_per_iteration']:.2f} MiB in one unconstrained iteration")
-    print(f"{'variant':16s} {'ratio':>6s} {'peak MiB':>9s} {'out MiB':>8s} {'recomp MiB':>10s} {'stall %':>7s}  "
-          "bit-identical  policies")
+          f"{r['capacity_mib']:.2f} MiB; the link ({link['d2h_bytes_per_s'] / 1e9:.3g} GB/s, real rate) moves "
+          f"{link['link_mib_in_forward']:.2f} MiB in the forward's device time ({link['forward_device_s'] * 1e3:.3f} ms of "
+          f"kernels, {link['forward_elapsed_s'] * 1e3:.3f} ms elapsed) and {r['link_mib_per_iteration']:.2f} MiB in one "
+          f"unconstrained iteration: physical bound {link['physical_bound']:.1%} of the saved bytes "
+          f"({link['bound_with_host_gaps']:.1%} counting the host's gaps)")
+    print(f"{'variant':16s} {'ratio':>6s} {'ms/it':>8s} {'peak MiB':>9s} {'out MiB':>8s} {'moved %':>7s} {'bound %':>7s} "
+          f"{'recomp MiB':>10s} {'stall %':>7s} {'host-bd %':>9s} {'ops/it':>6s}  bit-identical  policies   (emulated)")
     for name, v in r["variants"].items():
-        print(f"{name:16s} {v['ratio']:6.3f} {v['peak_mib']:9.2f} {v['swap_out_mib']:8.2f} {v['recomputed_mib']:10.2f} "
-              f"{100 * v['stall_share']:6.1f}%  {'yes' if v['bit_identical'] else 'NO':13s}  {','.join(v['policies'])}")
+        print(f"{name:16s} {v['ratio']:6.3f} {v['median_iteration_s'] * 1e3:8.3f} {v['peak_mib']:9.2f} "
+              f"{v['swap_out_mib']:8.2f} {100 * v['moved_share']:6.1f}% {100 * v['physical_bound']:6.1f}% "
+              f"{v['recomputed_mib']:10.2f} {100 * v['stall_share']:6.1f}% {100 * v['host_bound_share']:8.1f}% "
+              f"{v['device_ops']:6.0f}  {'yes' if v['bit_identical'] else 'NO':13s}  {','.join(v['policies'])}")
+    bound = [name for name, v in r["variants"].items() if host_bound_label(v["host_bound_share"]) == "host-bound"]
+    print(f"  device times (emulated); ratio = median over rounds of variant / unconstrained; stall % of the unconstrained "
+          f"time; host-bd % = device idle waiting for the host (iteration - compute busy - stall) / iteration: "
+          + (f"host-bound (> 50%): {', '.join(bound)}" if bound else "no variant host-bound (> 50%)"))
     reason = r["variants"].get("swap_only", {}).get("best_generated_reason")
     if reason:
         print(f"swap_only: {reason}")
@@ -190,7 +238,7 @@ def report(r: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="h100-pcie", choices=[p.name for p in PRESETS])
+    add_device_arguments(parser)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=256)

@@ -1,25 +1,29 @@
 """Sweep of the hidden-transfer benchmark (issue 13, item 4): launch/bench_executor.py's measurement at several
-``--hide-share`` values on several emulated links, for Chameleon swap-only (``executor.allow_recompute: false``),
-Chameleon swap + recompute (``executor.allow_recompute: true``, the default), the swap-everything baseline and
-``save_on_cpu`` semantics, each cell against its own unconstrained reference run. Everything is emulated (CPU
-compute, the host link slowed to the preset's FLOP per link byte against this CPU's matmul rate).
+``--hide-share`` values on several simulated devices (accelerator presets at their real rates, on the device
+clock; launch/device_clock.py), for Chameleon swap-only (``executor.allow_recompute: false``), Chameleon swap +
+recompute (``executor.allow_recompute: true``, the default), the swap-everything baseline and ``save_on_cpu``
+semantics, each cell against its own unconstrained reference run. Every figure is emulated: device seconds of
+a simulated GPU whose kernels take their roofline cost from the preset (fp32 here: the preset's fp32 peak),
+whose copies take their bytes over the preset's real link rate, and whose host spends ``--host-op-s`` per op
+(default 2e-5: runs repeat exactly; ``measured``: the host's own time).
 
-Model: ``--shape llm-like`` by default (bench_executor.SHAPES: 2 layers, hidden 2048, seq 16, fp32), the most
-compute per saved-activation byte a shared 2-core CPU trains in about a second per iteration; it prints its forward
-matmul FLOP per saved byte (from the shape, launch/toy_gpt.py) next to Llama2-7B's, and the share of its saved
-activations the link can move during one forward pass and during one iteration.
+Model: ``--shape llm-like`` by default (bench_executor.SHAPES: 2 layers, hidden 2048, seq 16, fp32); it prints its
+forward matmul FLOP per saved byte (from the shape, launch/toy_gpt.py) next to Llama2-7B's, and per device the
+share of its saved activations the link can move during one forward pass's device time (the physical bound)
+and during one iteration.
 
-Shared across cells, where that is valid: one CPU matmul measurement (every link is calibrated from it); one
-unswapped measurement (peak, forward and iteration time, saved storages: it swaps nothing, so the link does not
-matter); per link, one save_on_cpu cell (it has no runtime and an unbounded capacity, so the hide-share does not
-change what it does; its row repeats on every share, marked "per link").
+Shared across cells, where that is valid: one swap floor (op indices of a trace: the device does not matter);
+per device (``--links``), one unswapped measurement (peak, forward and iteration device times, saved storages:
+it swaps nothing) and one save_on_cpu cell (it has no runtime and an unbounded capacity, so the hide-share does
+not change what it does; its row repeats on every share, marked "per link").
 
-One cell (link, hide-share): capacity = unswapped peak - hide-share x the bytes the link moves in the measured
-forward time, but at most ``REDUCTION_CAP`` of what swapping can take off the peak at all (the peak minus the
-swap floor: every swap candidate off the device for its whole window, copies instant, from the detailed trace of one
-swap-everything iteration). When the link moves a large share of the activations in one forward pass, as on a real
-LLM, the largest hide-shares ask for more than that (at a share of 0.5, hide-share 2 would be every activation); such
-cells are marked capped, and a capped cell whose capacity equals an earlier one's on the same link reuses its result.
+One cell (link, hide-share): capacity = unswapped peak - hide-share x the bytes the link moves in the forward
+pass's device time (the compute stream's busy seconds in the unconstrained forward), but at most
+``REDUCTION_CAP`` of what swapping can take off the peak at all (the peak minus the swap floor: every swap
+candidate off the device for its whole window, copies instant, from the detailed trace of one swap-everything
+iteration). At an accelerator's real link rate the forward's shadow can hold more than every saved byte of a
+small model (physical bound 100%), so the larger hide-shares ask for more than that; such cells are marked
+capped, and a capped cell whose capacity equals an earlier one's on the same link reuses its result.
 Variants unconstrained, chameleon_swap_only, chameleon_swap_recompute and baseline, each with its
 own model copy and device. The untimed rounds (at least ``--warmup-rounds`` and the Chameleon variants' WarmUp +
 GenPolicy iterations, up to twice as many while either is not in Stable) are played by the unconstrained run and
@@ -28,13 +32,17 @@ run's parameters (``Variant.join_from``), plays one untimed round with the other
 rounds in Williams-balanced orders. Bit-identity: losses from the round a variant started and final parameters,
 ``torch.equal`` to the unconstrained run's.
 
-Per Chameleon variant the simulator's predicted ratio is its chosen policy's ``predicted_iteration_s`` over its
-``compute_s`` (``chameleon.controller.chosen`` after the last round); a fallback is a Chameleon iteration in
-Stable with no policy or the "all" policy (swap everything). ``targets`` checks issue 13's: at hide-share <= 1.0
-each Chameleon variant <= 1.05x; at every share never slower than the baseline and within 10% of its prediction;
+Per variant: the ratio (median over timed rounds of its iteration device time over the unconstrained one of
+the same round), stall over the unconstrained time, the host-bound share (device idle waiting for the host),
+the share of the saved bytes it moved to the host next to the physical bound. Per Chameleon variant the
+simulator's predicted ratio is its chosen policy's ``predicted_iteration_s`` over its ``compute_s``
+(``chameleon.controller.chosen`` after the last round); a fallback is a Chameleon iteration in Stable with no
+policy or the "all" policy (swap everything). ``targets`` checks issue 13's: at hide-share <= 1.0 each
+Chameleon variant <= 1.05x; at every share never slower than the baseline and within 10% of its prediction;
 no fallback; plus bit-identity.
 
-    .venv/bin/python launch/bench_sweep.py --json runs/bench_sweep.json   # the full sweep (see --help for its size)
+    .venv/bin/python launch/bench_sweep.py --json runs/bench_sweep.json   # the sweep (a few minutes on 2 cores)
+    .venv/bin/python launch/bench_sweep.py --host-op-s measured           # the host's measured time per op
     .venv/bin/python launch/bench_sweep.py --small                        # tiny model, 2 shares, 1 link (smoke test)
 """
 
@@ -50,20 +58,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
 from bench_executor import (  # noqa: E402
-    MIB, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, apply_shape, baseline_config, chameleon_config,
-    host_batch, measure_unswapped, model_flop, summarize,
+    MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, add_moved_shares, apply_shape,
+    baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes,
+    measure_unswapped, model_flop, plan_capacity, print_device, summarize,
 )
+from device_clock import add_device_arguments, device_figures, host_bound_label, make_device  # noqa: E402
 from machine_info import run_benchmark  # noqa: E402
 
 import torch
 
-from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.device.presets import PRESETS, calibrate, measure_matmul_flop_per_s
-from chameleon_dist.policy.candidates import find_candidates
+from chameleon_dist.device.presets import PRESETS, get_preset
 from chameleon_dist.policy.model import Decision
 
-SHARES = (0.25, 0.5, 1.0, 2.0, 4.0)
+SHARES = (0.05, 0.1, 0.25, 1.0)  # at real link rates the forward's shadow holds more than the saved bytes
 LINKS = ("h100-pcie", "ascend-910b")
 SWAP_ONLY, SWAP_RECOMPUTE = "chameleon_swap_only", "chameleon_swap_recompute"
 CHAMELEON_VARIANTS = (SWAP_ONLY, SWAP_RECOMPUTE)
@@ -74,7 +82,6 @@ LABELS = {SWAP_ONLY: "chameleon swap-only", SWAP_RECOMPUTE: "chameleon swap+reco
 ALL_POLICY = "all"  # the policy generator's swap-everything variant (chameleon_dist/policy/inputs.py)
 JOIN_ROUNDS = 1  # untimed rounds a late-joining variant plays before the timed ones
 UNSWAPPED_ITERATIONS = 5  # the forward time every cell's capacity follows from: a median over this many
-REDUCTION_CAP = 0.75  # a cell takes off the peak at most this share of (unswapped peak - swap floor)
 # issue 13's reference: Llama2-7B at seq 4096 in bf16, forward matmul FLOP per saved-activation byte
 LLM_REFERENCE = {"model": "Llama2-7B, seq 4096, bf16 (issue 13)", "forward_flop_per_saved_byte": 3400.0, "mfu": 0.5}
 TARGET_RATIO = 1.05
@@ -128,28 +135,20 @@ class Rounds:
 
 
 # ---- one cell -------------------------------------------------------------------------------------
-def plan_cell(unswapped: dict, floor_bytes: int, link_in_forward_bytes: float, share: float) -> dict:
-    """A cell's capacity: the unswapped peak minus ``share`` x the link's bytes in one forward pass, at most
-    ``REDUCTION_CAP`` of (unswapped peak - swap floor)."""
-    wanted_bytes = share * link_in_forward_bytes
-    reduction_bytes = min(wanted_bytes, REDUCTION_CAP * max(0, unswapped["peak_bytes"] - floor_bytes))
-    capacity_bytes = int(unswapped["peak_bytes"] - reduction_bytes)
-    saved_bytes = sum(unswapped["saved_storage_bytes"])
-    return {"capacity_bytes": capacity_bytes, "capacity_fraction": capacity_bytes / unswapped["peak_bytes"],
-            "reduction_needed_bytes": unswapped["peak_bytes"] - capacity_bytes,
-            "reduction_share_of_saved": (unswapped["peak_bytes"] - capacity_bytes) / saved_bytes,
-            "reduction_capped": reduction_bytes < wanted_bytes,
-            "effective_hide_share": reduction_bytes / link_in_forward_bytes,
-            "link_bytes_in_forward": link_in_forward_bytes}
+plan_cell = plan_capacity  # a cell's capacity (bench_executor.plan_capacity)
 
 
-def run_cell(args: argparse.Namespace, link: str, share: float, flops: float, unswapped: dict, plan: dict) -> dict:
+def for_link(args: argparse.Namespace, link: str) -> argparse.Namespace:
+    """``args`` with ``preset`` = ``link``: what bench_executor's pieces build their devices from."""
+    return argparse.Namespace(**{**vars(args), "preset": link})
+
+
+def run_cell(args: argparse.Namespace, link: str, share: float, unswapped: dict, plan: dict) -> dict:
     """One (link, hide-share) cell at ``plan``'s capacity: unconstrained, both Chameleon variants and the baseline."""
     capacity_bytes = plan["capacity_bytes"]
     configs = sweep_variant_configs(args)
-    variants = {name: Variant(name, args, EmulatedDevice(capacity_bytes if name != "unconstrained" else
-                                                         UNBOUNDED_CAPACITY_BYTES, preset=link, cpu_flop_per_s=flops),
-                              configs[name])
+    variants = {name: Variant(name, args, make_device(args, capacity_bytes if name != "unconstrained" else
+                                                      UNBOUNDED_CAPACITY_BYTES, preset=link), configs[name])
                 for name in CELL_VARIANTS}
     runtimes = [variants[n].chameleon for n in CHAMELEON_VARIANTS]
     rounds = Rounds(args, variants)
@@ -164,9 +163,9 @@ def run_cell(args: argparse.Namespace, link: str, share: float, flops: float, un
         rounds.play(CELL_VARIANTS, k)
     timed = range(warm_rounds + JOIN_ROUNDS, rounds.played)
     summary = summarize(variants, timed, capacity_bytes, stable_figures_for=CHAMELEON_VARIANTS)
-    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    link_block = link_figures(make_device(args, 1, preset=link).d2h_bytes_per_s, unswapped)
+    add_moved_shares(summary, link_block["saved_activation_bytes"], link_block["physical_bound"])
     for name, v in summary.items():
-        v["moved_share"] = v["swap_out_mib"] * MIB / saved_bytes
         v["peak_over_capacity"] = None if v["capacity_mib"] is None else v["peak_mib"] / v["capacity_mib"]
     for name in CHAMELEON_VARIANTS:
         summary[name].update(chameleon_figures(variants[name], summary[name], timed))
@@ -206,40 +205,18 @@ def chameleon_figures(v: Variant, summary: dict, timed: range) -> dict:
     }
 
 
-def measure_swap_floor_bytes(args: argparse.Namespace) -> int:
-    """The lowest peak any swap could reach: every swap candidate (saved storage >= min_swap_bytes) off the device
-    from its last forward use to its first backward use, copies instant. From the detailed trace of the second
-    WarmUp iteration (gradients allocated, as in every later one) of a swap-everything run on an instant link;
-    the windows are op indices, so the link does not matter. (The policy generator computes the same floor to
-    explain an infeasible budget; it is not public.)"""
-    variant = Variant("floor", args, EmulatedDevice(UNBOUNDED_CAPACITY_BYTES), {"min_swap_bytes": args.min_swap_bytes})
-    for step in range(max(2, variant.chameleon.config.profiler.warmup_iterations)):
-        variant.step(host_batch(args, step))
-    trace = variant.chameleon.last_trace
-    leaves = [0] * (len(trace.ops) + 1)  # bytes off the device from this op on
-    for candidate in find_candidates(trace, args.min_swap_bytes):
-        leaves[candidate.last_forward_use + 1] += candidate.nbytes
-        leaves[candidate.first_backward_use] -= candidate.nbytes
-    off_bytes, floor_bytes = 0, 0
-    for i, live_bytes in enumerate(trace.no_swap_memory_curve()):
-        off_bytes += leaves[i]
-        floor_bytes = max(floor_bytes, live_bytes - off_bytes)
-    return floor_bytes
-
-
-def run_save_on_cpu_cell(args: argparse.Namespace, link: str, flops: float, unswapped: dict) -> dict:
+def run_save_on_cpu_cell(args: argparse.Namespace, link: str, unswapped: dict) -> dict:
     """save_on_cpu semantics against an unconstrained run on ``link``: one untimed round, then the timed ones."""
-    devices = {name: EmulatedDevice(UNBOUNDED_CAPACITY_BYTES, preset=link, cpu_flop_per_s=flops)
-               for name in ("unconstrained", "save_on_cpu")}
+    devices = {name: make_device(args, UNBOUNDED_CAPACITY_BYTES, preset=link) for name in ("unconstrained", "save_on_cpu")}
     configs = sweep_variant_configs(args)
     variants = {name: Variant(name, args, device, configs[name]) for name, device in devices.items()}
     rounds = Rounds(args, variants)
     for k in range(JOIN_ROUNDS + args.rounds):
         rounds.play(("unconstrained", "save_on_cpu"), k)
     summary = summarize(variants, range(JOIN_ROUNDS, rounds.played), UNBOUNDED_CAPACITY_BYTES, stable_figures_for=())
-    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    link_block = link_figures(make_device(args, 1, preset=link).d2h_bytes_per_s, unswapped)
+    add_moved_shares(summary, link_block["saved_activation_bytes"], link_block["physical_bound"])
     for v in summary.values():
-        v["moved_share"] = v["swap_out_mib"] * MIB / saved_bytes
         v["peak_over_capacity"] = None
     return {"link": link, "emulated": True, "label": SAVE_ON_CPU_LABEL, "rounds": {"untimed": JOIN_ROUNDS, "timed": args.rounds},
             "variants": summary}
@@ -257,44 +234,40 @@ def run(args: argparse.Namespace) -> dict:
 
 def _run(args: argparse.Namespace) -> dict:
     started_s = time.perf_counter()
-    flops = measure_matmul_flop_per_s(duration_s=1.0)
-    unswapped = measure_unswapped(args, measured_iterations=UNSWAPPED_ITERATIONS)
-    floor_bytes = measure_swap_floor_bytes(args)
-    saved_bytes = sum(unswapped["saved_storage_bytes"])
+    unswapped_by_link = {link: measure_unswapped(for_link(args, link), measured_iterations=UNSWAPPED_ITERATIONS)
+                         for link in args.links}
+    first = unswapped_by_link[args.links[0]]
+    floor_bytes = measure_swap_floor_bytes(for_link(args, args.links[0]))
+    saved_bytes = sum(first["saved_storage_bytes"])
     flop = model_flop(args)
     forward_flop_per_byte = flop["forward_matmul_flop"] / saved_bytes
     model = {
-        "emulated": True, "shape": args.shape, "parameter_bytes": unswapped["parameter_bytes"], "unswapped_peak_bytes": unswapped["peak_bytes"],
-        "forward_s": unswapped["forward_s"], "iteration_s": unswapped["iteration_s"],
-        "saved_activation_bytes": saved_bytes, "saved_storages": len(unswapped["saved_storage_bytes"]),
-        "eligible_bytes": sum(b for b in unswapped["saved_storage_bytes"] if b >= args.min_swap_bytes),
-        "swap_floor_bytes": floor_bytes, "max_reduction_bytes": int(REDUCTION_CAP * max(0, unswapped["peak_bytes"] - floor_bytes)),
+        "emulated": True, "shape": args.shape, "parameter_bytes": first["parameter_bytes"], "unswapped_peak_bytes": first["peak_bytes"],
+        "saved_activation_bytes": saved_bytes, "saved_storages": len(first["saved_storage_bytes"]),
+        "eligible_bytes": sum(b for b in first["saved_storage_bytes"] if b >= args.min_swap_bytes),
+        "swap_floor_bytes": floor_bytes, "max_reduction_bytes": int(REDUCTION_CAP * max(0, first["peak_bytes"] - floor_bytes)),
         **flop, "forward_flop_per_saved_byte": forward_flop_per_byte,
         "iteration_flop_per_saved_byte": flop["iteration_matmul_flop"] / saved_bytes,
-        "cpu_flop_per_s": flops,
-        # the model's forward matmul rate over the rate the link is scaled to (an accelerator's MFU, emulated)
-        "cpu_forward_efficiency": flop["forward_matmul_flop"] / unswapped["forward_s"] / flops,
     }
     links = {}
     for link in args.links:
-        calibration = calibrate(link, flops)
-        preset = calibration.preset
+        preset, unswapped = get_preset(link), unswapped_by_link[link]
+        assert unswapped["peak_bytes"] == first["peak_bytes"] and unswapped["saved_storage_bytes"] == first["saved_storage_bytes"]
+        figures = link_figures(make_device(args, 1, preset=link).d2h_bytes_per_s, unswapped)
         links[link] = {
-            "description": preset.description, "emulated": True, "text": calibration.describe(),
-            "h2d_bytes_per_s": calibration.h2d_bytes_per_s, "d2h_bytes_per_s": calibration.d2h_bytes_per_s,
-            "flop_per_link_byte": preset.d2h_flop_per_byte,
-            "link_share_in_forward": calibration.d2h_bytes_per_s * unswapped["forward_s"] / saved_bytes,
-            "link_share_in_iteration": calibration.d2h_bytes_per_s * unswapped["iteration_s"] / saved_bytes,
-            # on the accelerator itself at LLM_REFERENCE's MFU: this model, and the reference LLM
-            "model_share_in_forward_on_accelerator": forward_flop_per_byte / (preset.d2h_flop_per_byte * LLM_REFERENCE["mfu"]),
+            "description": preset.description, **figures, "device": device_figures(args, link),
+            "iteration_s": unswapped["iteration_s"], "iteration_busy_s": unswapped["iteration_busy_s"],
+            "link_share_in_forward": figures["link_bytes_in_forward"] / saved_bytes,
+            "link_share_in_iteration": figures["link_bytes_in_iteration"] / saved_bytes,
+            # the reference LLM in bf16 on this accelerator at LLM_REFERENCE's MFU (from the preset's figures)
+            "bf16_flop_per_link_byte": preset.d2h_flop_per_byte,
             "reference_share_in_forward_on_accelerator":
-                LLM_REFERENCE["forward_flop_per_saved_byte"] / (preset.d2h_flop_per_byte * LLM_REFERENCE["mfu"]),
+                min(1.0, LLM_REFERENCE["forward_flop_per_saved_byte"] / (preset.d2h_flop_per_byte * LLM_REFERENCE["mfu"])),
         }
-    _progress(f"unswapped: peak {unswapped['peak_bytes'] / MIB:.1f} MiB, saved {saved_bytes / MIB:.2f} MiB, forward "
-              f"{unswapped['forward_s'] * 1e3:.0f} ms, iteration {unswapped['iteration_s'] * 1e3:.0f} ms, "
-              f"{forward_flop_per_byte:,.0f} forward FLOP per saved byte; link moves "
-              + ", ".join(f"{n} {x['link_share_in_forward']:.1%}" for n, x in links.items())
-              + f" of the saved bytes in one forward pass (emulated); swap floor {floor_bytes / MIB:.1f} MiB", started_s)
+    _progress(f"unswapped: peak {first['peak_bytes'] / MIB:.1f} MiB, saved {saved_bytes / MIB:.2f} MiB, "
+              f"{forward_flop_per_byte:,.0f} forward FLOP per saved byte; forward device time "
+              + ", ".join(f"{n} {x['forward_device_s'] * 1e3:.3f} ms (bound {x['physical_bound']:.1%})" for n, x in links.items())
+              + f" (emulated); swap floor {floor_bytes / MIB:.1f} MiB", started_s)
 
     save_on_cpu, cells = {}, []
     total = len(args.links) * (len(args.shares) + 1)
@@ -303,8 +276,8 @@ def _run(args: argparse.Namespace) -> dict:
         for share in [None, *args.shares]:
             index = len(cells) + len(save_on_cpu) + 1
             what = f"{link} save_on_cpu" if share is None else f"{link} hide-share {share:g}"
-            plan = None if share is None else plan_cell(unswapped, floor_bytes, links[link]["d2h_bytes_per_s"]
-                                                        * unswapped["forward_s"], share)
+            unswapped = unswapped_by_link[link]
+            plan = None if share is None else plan_cell(unswapped, floor_bytes, links[link]["link_bytes_in_forward"], share)
             same = None if plan is None else by_capacity.get(plan["capacity_bytes"])
             if same is not None:  # the same experiment as an earlier cell: its result stands for this one too
                 cells.append({**same, "hide_share": share, **plan, "same_as_hide_share": same["hide_share"], "wall_s": 0.0})
@@ -317,8 +290,8 @@ def _run(args: argparse.Namespace) -> dict:
                          + (", capped)" if plan["reduction_capped"] else ")")), started_s)
             cell_started_s = time.perf_counter()
             try:
-                result = (run_save_on_cpu_cell(args, link, flops, unswapped) if share is None
-                          else run_cell(args, link, share, flops, unswapped, plan))
+                result = (run_save_on_cpu_cell(args, link, unswapped) if share is None
+                          else run_cell(args, link, share, unswapped, plan))
             except Exception as error:  # a cell that fails is recorded and the sweep goes on
                 result = {"link": link, "hide_share": share, "emulated": True, **(plan or {}),
                           "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
@@ -359,7 +332,8 @@ def table_rows(cells: list[dict], save_on_cpu: dict[str, dict]) -> list[dict]:
             else:
                 row.update({k: v.get(k) for k in (
                     "ratio", "ratio_iqr", "median_iteration_s", "stall_share", "peak_mib", "capacity_mib",
-                    "peak_over_capacity", "swap_out_mib", "moved_share", "bit_identical", "losses_equal",
+                    "peak_over_capacity", "swap_out_mib", "moved_share", "physical_bound", "host_bound_share",
+                    "device_ops", "bit_identical", "losses_equal",
                     "losses_compared", "passive_swaps", "oom_retries", "predicted_ratio", "measured_over_predicted",
                     "fallback_iterations", "fallback_iterations_timed")})
                 row["recompute_planned_mib"] = (v.get("policy") or {}).get("recompute_mib")
@@ -426,33 +400,35 @@ def print_report(r: dict) -> None:
     print(f"date: {r['date']}; {m['cpu']} ({m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}; "
           f"load average {m['load_average_before']:.2f} before, {m['load_average_after']:.2f} after "
           f"(other jobs share this machine)")
-    print(f"ALL FIGURES EMULATED (CPU compute, host link slowed to each preset's FLOP per link byte against this CPU's "
-          f"matmul rate, {mod['cpu_flop_per_s'] / 1e9:.1f} GFLOP/s)")
+    print_device(next(iter(r["links"].values()))["device"] | {"text": "simulated devices at the presets' real rates "
+                                                                      "(roofline kernels, real link rates)"})
     print(f"model: GPT shape {mod['shape']}: {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, seq {c['seq']}, "
           f"batch {c['batch']}, vocab {c['vocab']}, fp32, SGD ({mod['parameter_bytes'] / MIB:.1f} MiB parameters); "
           f"unswapped peak {mod['unswapped_peak_bytes'] / MIB:.2f} MiB; saved activations "
           f"{mod['saved_activation_bytes'] / MIB:.2f} MiB in {mod['saved_storages']} storages "
           f"({mod['eligible_bytes'] / MIB:.2f} MiB >= min_swap_bytes {c['min_swap_bytes'] / 1024:.0f} KiB); swap floor "
-          f"{mod['swap_floor_bytes'] / MIB:.2f} MiB (at most {mod['max_reduction_bytes'] / MIB:.2f} MiB taken off); forward "
-          f"{mod['forward_s'] * 1e3:.0f} ms, iteration {mod['iteration_s'] * 1e3:.0f} ms")
+          f"{mod['swap_floor_bytes'] / MIB:.2f} MiB (at most {mod['max_reduction_bytes'] / MIB:.2f} MiB taken off)")
     ref = r["reference_llm"]
     print(f"compute per saved-activation byte (matmul FLOP from the shape): forward {mod['forward_flop_per_saved_byte']:,.0f}, "
           f"forward + backward {mod['iteration_flop_per_saved_byte']:,.0f} (reference: {ref['model']} "
-          f"~{ref['forward_flop_per_saved_byte']:,.0f} forward); the CPU runs the forward matmuls at "
-          f"{mod['cpu_forward_efficiency']:.0%} of the rate the link is scaled to")
+          f"~{ref['forward_flop_per_saved_byte']:,.0f} forward)")
     for name, link in r["links"].items():
-        print(f"link {name} ({link['description']}): {link['d2h_bytes_per_s'] / 1e6:.2f} MB/s each way (emulated), "
-              f"{link['flop_per_link_byte']:,.0f} FLOP per link byte; it moves {link['link_share_in_forward']:.1%} of the "
-              f"saved activation bytes during one forward pass, {link['link_share_in_iteration']:.1%} during one iteration "
-              f"(on the accelerator at {ref['mfu']:.0%} MFU: this model {link['model_share_in_forward_on_accelerator']:.1%}, "
-              f"the reference {link['reference_share_in_forward_on_accelerator']:.1%} in one forward pass)")
+        print(f"device {name} ({link['description']}; fp32 peak {link['device']['peak_flop_per_s']['float32'] / 1e12:.3g} "
+              f"TFLOP/s, link {link['d2h_bytes_per_s'] / 1e9:.3g} GB/s each way, real rate): forward "
+              f"{link['forward_device_s'] * 1e3:.3f} ms of kernels ({link['forward_elapsed_s'] * 1e3:.3f} ms elapsed), "
+              f"iteration {link['iteration_s'] * 1e3:.3f} ms ({link['unconstrained_host_bound_share']:.1%} host-bound); "
+              f"the link moves {link['link_share_in_forward']:.1%} of the saved bytes in the forward's compute shadow "
+              f"(physical bound {link['physical_bound']:.1%}; {link['bound_with_host_gaps']:.1%} counting the host's gaps), "
+              f"{link['link_share_in_iteration']:.1%} in one iteration; the reference LLM in bf16 at {ref['mfu']:.0%} MFU: "
+              f"{link['reference_share_in_forward_on_accelerator']:.1%} (emulated)")
     print(f"rounds per cell: Chameleon WarmUp + GenPolicy untimed (baseline skips them and starts from the unconstrained "
           f"run's parameters), {JOIN_ROUNDS} untimed with all, {c['rounds']} timed, Williams-balanced; ratio = median over "
           f"timed rounds of variant / unconstrained (same round); predicted = chosen policy's predicted_iteration_s / "
-          f"compute_s; moved = swap-out bytes / saved activation bytes per iteration")
+          f"compute_s; host-bd = device idle waiting for the host (iteration - compute busy - stall) / iteration; "
+          f"moved = swap-out bytes / saved activation bytes per iteration; bound = the physical bound")
     print()
-    print(f"{'link':<12}{'share':>6}  {'variant':<25}{'ratio':>7}{'pred.':>7}{'m/p':>6}{'stall %':>8}{'peak/cap':>9}"
-          f"{'moved %':>8}{'recomp MiB':>11}{'fallback':>9}{'bit-identical':>15}   (emulated)")
+    print(f"{'link':<12}{'share':>6}  {'variant':<25}{'ratio':>7}{'pred.':>7}{'m/p':>6}{'stall %':>8}{'host-bd %':>10}"
+          f"{'peak/cap':>9}{'moved %':>8}{'bound %':>8}{'recomp MiB':>11}{'fallback':>9}{'bit-identical':>15}   (emulated)")
     capped = {(c["link"], c["hide_share"]) for c in r["cells"] if c.get("reduction_capped")}
     for row in r["rows"]:
         mark = "*" if (row["link"], row["hide_share"]) in capped else ""
@@ -464,10 +440,16 @@ def print_report(r: dict) -> None:
         fallback = "-" if row["fallback_iterations"] is None else str(row["fallback_iterations"])
         print(f"{head}{row['ratio']:>7.3f}{_col(row['predicted_ratio'], '.3f', 7)}"
               f"{_col(row['measured_over_predicted'], '.2f', 6)}{row['stall_share']:>8.1%}"
-              f"{_col(row['peak_over_capacity'], '.3f', 9)}{row['moved_share']:>8.1%}"
+              f"{_col(row['host_bound_share'], '.1%', 10)}"
+              f"{_col(row['peak_over_capacity'], '.3f', 9)}{row['moved_share']:>8.1%}{row['physical_bound']:>8.1%}"
               f"{_col(row['recompute_planned_mib'], '.2f', 11)}{fallback:>9}{same:>15}")
     print(f"  save_on_cpu = {SAVE_ON_CPU_LABEL}; capacity unbounded, so it runs once per link (its own unconstrained "
           f"reference) and repeats on every share")
+    rows = [row for row in r["rows"] if "error" not in row]
+    bound = [row for row in rows if host_bound_label(row["host_bound_share"]) == "host-bound"]
+    print(f"  host-bound (device idle waiting for the host > 50% of the iteration): {len(bound)} of {len(rows)} rows"
+          + ("" if not rows else f"; host-bound share {min(x['host_bound_share'] for x in rows):.1%}-"
+             f"{max(x['host_bound_share'] for x in rows):.1%} over the rows") + " (emulated)")
     for cell in r["cells"]:
         if cell.get("reduction_capped"):
             print(f"  * {cell['link']} {cell['hide_share']:g}: capped at {REDUCTION_CAP:.0%} of what swapping can take off "
@@ -515,14 +497,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, "llm-like")
     parser.add_argument("--links", nargs="+", default=list(LINKS), choices=[p.name for p in PRESETS],
-                        help="emulated host links (accelerator presets)")
+                        help="simulated devices (accelerator presets, at their real rates)")
+    add_device_arguments(parser, preset=False)
     parser.add_argument("--shares", nargs="+", type=float, default=list(SHARES),
                         help="hide-shares: capacity = unswapped peak - share x the bytes the link moves in one forward pass")
     parser.add_argument("--min-swap-kib", type=float, default=128, help="min_swap_bytes in KiB")
     parser.add_argument("--prefetch-depth", type=int, default=2)
     parser.add_argument("--policy-trials", type=int, default=5)
     parser.add_argument("--warmup-rounds", type=int, default=3, help="untimed rounds at least")
-    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per cell (a multiple of 4 balances the order)")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds per cell (a multiple of 4 balances the order)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: on a shared 2-core machine two threads stall each other)")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -541,6 +524,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.hidden % args.heads or any(s <= 0 for s in args.shares):
         parser.error("need --rounds >= 1, --hidden divisible by --heads and every --shares value > 0")
     args.min_swap_bytes = int(args.min_swap_kib * 1024)
+    args.preset = args.links[0]  # bench_executor's pieces build devices from args.preset (for_link sets each)
     return args
 
 

@@ -8,7 +8,9 @@ import json
 
 import torch
 
+from chameleon_dist.device.presets import get_preset
 from launch import bench_dynamic
+from launch.device_clock import DEFAULT_HOST_OP_S
 
 
 def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
@@ -20,10 +22,12 @@ def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
     assert "bench_dynamic.py --small" in results["command"] and results["date"] and results["emulated"]
-    assert "emulated (CPU), link = h100-pcie calibrated:" in printed
-    for key in ("calibration", "cases", "checks", "config", "machine", "wall_s"):
+    assert "ALL FIGURES EMULATED: simulated device (h100-pcie)" in printed and "(emulated)" in printed
+    for key in ("device", "cases", "checks", "config", "machine", "wall_s"):
         assert key in results, key
-    assert results["calibration"]["h2d_bytes_per_s"] > 0 and results["calibration"]["cpu_flop_per_s"] > 0
+    device = results["device"]  # the preset at its real link rate (no scaling to this CPU), fixed host cost
+    assert device["emulated"] and device["d2h_bytes_per_s"] == get_preset("h100-pcie").d2h_bytes_per_s
+    assert device["host_op_s"] == DEFAULT_HOST_OP_S
 
     cases = results["cases"]
     assert list(cases) == ["moe", "lengths"]
@@ -39,6 +43,10 @@ def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
         assert case["stable_share"] is None or 0 <= case["stable_share"] <= 1, name
         assert isinstance(case["passive_swaps"], int) and case["passive_swaps"] >= 0, name
         assert case["peak_over_capacity"] > 0, name
+        assert 0 < case["physical_bound"] <= 1 and case["saved_activation_bytes"] > 0, name
+        assert 0 < case["forward_device_s"] <= case["forward_elapsed_s"], name
+        for key in ("host_bound_share_stable", "plain_host_bound_share", "moved_share_stable"):
+            assert case[key] is None or 0 <= case[key] <= 1.01, (name, key)
         assert case["transitions_to_warmup"] == sum("-> warmup" in t for _, t in case["transitions"]), name
         assert sum(case["stages"].values()) == n and 0 <= case["first_plan_end"] <= n, name
         assert {row["stage"] for row in case["chameleon_iterations"]} <= {"warmup", "gen_policy", "stable"}, name

@@ -3,6 +3,7 @@ trains bit-identically to the unconstrained run. Timings are measured, never ass
 
 import torch
 
+from chameleon_dist.device.presets import get_preset
 from launch import bench_recompute
 
 
@@ -17,6 +18,11 @@ def test_small_run_reports_every_variant_bit_identically(tmp_path, capsys):
     assert variants["swap_only"]["recomputed_mib"] == 0
     assert variants["layer_recompute"]["peak_mib"] < variants["unconstrained"]["peak_mib"]
     assert (tmp_path / "r.json").exists() and "swap_recompute" in capsys.readouterr().out
+    # the preset at its real link rate (no scaling to this CPU); every figure on the device clock
+    assert results["device"]["emulated"] and results["link"]["d2h_bytes_per_s"] == get_preset("h100-pcie").d2h_bytes_per_s
+    assert 0 < results["link"]["physical_bound"] <= 1 and results["link"]["forward_device_s"] > 0
+    for name, v in variants.items():
+        assert 0 <= v["host_bound_share"] < 1 and 0 <= v["moved_share"] <= 1.01 and v["device_ops"] > 0, name
 
 
 def test_recompute_inputs_are_the_tensors_they_were_at_a_mid_size_shape(tmp_path):

@@ -10,6 +10,7 @@ import json
 
 import torch
 
+from chameleon_dist.device.presets import get_preset
 from launch import bench_executor, bench_sweep
 from launch.toy_gpt import GPT, forward_matmul_flop
 
@@ -32,6 +33,8 @@ def test_small_sweep_reports_every_cell_and_target(tmp_path, capsys):
     assert set(results["links"]) == {"h100-pcie"}
     link = results["links"]["h100-pcie"]
     assert link["emulated"] and 0 < link["link_share_in_forward"] < link["link_share_in_iteration"]
+    assert link["d2h_bytes_per_s"] == get_preset("h100-pcie").d2h_bytes_per_s, "the real link rate, not scaled"
+    assert link["physical_bound"] == min(1.0, link["link_share_in_forward"])
 
     cells = results["cells"]
     assert [(c["link"], c["hide_share"]) for c in cells] == [("h100-pcie", 0.5), ("h100-pcie", 2.0)]
@@ -56,6 +59,7 @@ def test_small_sweep_reports_every_cell_and_target(tmp_path, capsys):
     for row in rows:
         assert row["emulated"] and "error" not in row and row["bit_identical"], row
         assert row["ratio"] > 0 and row["stall_share"] >= 0 and 0 <= row["moved_share"] <= 1.01, row
+        assert 0 <= row["host_bound_share"] < 1 and row["physical_bound"] == link["physical_bound"], row
         assert row["variant"] in bench_sweep.CHAMELEON_VARIANTS or row["predicted_ratio"] is None, row
     assert all(r["moved_share"] > 0.9 for r in rows if r["variant"] in ("baseline", "save_on_cpu")), "they move everything"
 

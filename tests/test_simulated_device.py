@@ -79,6 +79,49 @@ def test_a_fixed_host_cost_repeats_exactly_and_a_larger_one_is_slower():
     assert slow_host[0] > first[0]
 
 
+def test_the_measured_host_time_restarts_where_the_program_says(monkeypatch):
+    """Measured host time: the wall time since the device's last op lands on its next op, unless the host
+    measurement was restarted (a benchmark ran other devices meanwhile). A fake clock, so no timing is measured."""
+    from chameleon_dist.device.simulated import backend as simulated_backend
+
+    now = [100.0]
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter() -> float:
+            return now[0]
+
+    monkeypatch.setattr(simulated_backend, "time", FakeTime)
+    device = _device(host_op_s=None)
+    clock = device.backend.clock
+    a = device.track(torch.ones(4))
+    with device.active():
+        now[0] += 2.0  # the host works 2 s before the first op
+        a + 1
+        assert clock.host_s == pytest.approx(2.0)
+        now[0] += 5.0  # 5 s elsewhere (another device's iteration), then the measurement restarts
+        device.backend.restart_host_measurement()
+        now[0] += 0.5
+        a + 1
+        assert clock.host_s == pytest.approx(2.5)
+        now[0] += 3.0  # no restart: those 3 s are this host's
+        a + 1
+        assert clock.host_s == pytest.approx(5.5)
+    # the host's work before an event's record lands before it: a mark after 4 s of host work (and no op) is at 4 s
+    timer = device.timer()
+    before = timer.mark()
+    now[0] += 4.0
+    after = timer.mark()
+    assert timer.elapsed_s(before, after) == pytest.approx(4.0) and clock.host_s == pytest.approx(9.5)
+    fixed = _device(host_op_s=1e-3)
+    b = fixed.track(torch.ones(4))
+    with fixed.active():
+        b + 1
+        fixed.backend.restart_host_measurement()  # no effect with a fixed cost per op
+        b + 1
+    assert fixed.backend.clock.host_s == pytest.approx(2e-3)
+
+
 def test_copies_take_bytes_over_the_link_rate_after_the_copy_stream_waits():
     device = _device(d2h_bytes_per_s=1e9, h2d_bytes_per_s=2e9, duplex_factor=1.0)
     with device.active():

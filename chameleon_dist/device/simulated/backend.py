@@ -80,6 +80,13 @@ class SimulatedBackend:
         """The CPU's eager computation of a kernel is not host time: restart the host measurement."""
         self._wall_mark_s = time.perf_counter()
 
+    def restart_host_measurement(self) -> None:
+        """With the measured host time (``host_op_s`` None), count the host's work from now on: the wall time
+        since this device's last op was not its host's work (e.g. a benchmark that interleaves several devices
+        ran the others meanwhile; without this, that time lands on this device's next op). A fixed host cost
+        per op is unaffected."""
+        self._wall_mark_s = time.perf_counter()
+
     # ---- streams and events -----------------------------------------------------------------
     def current_stream(self) -> SimStream:
         stream = getattr(self._local, "stream", None)
@@ -98,6 +105,14 @@ class SimulatedBackend:
             self._local.stream = before
 
     def new_event(self, timing: bool = False) -> SimEvent:
+        """An event, recorded by the caller at host time. With the measured host time, the host's work up to
+        now is counted first, as a GPU's host reaches its ``record`` only after that work: an iteration's start
+        mark then follows the host's work before the iteration (e.g. the runtime's gradient snapshot), which
+        would otherwise land on the iteration's first op, inside it."""
+        if self._host_op_s is None:
+            now_s = time.perf_counter()
+            self.clock.advance_host(now_s - self._wall_mark_s)
+            self._wall_mark_s = now_s
         return SimEvent(self.clock, timing)
 
     def elapsed_s(self, start: SimEvent, end: SimEvent) -> float:
