@@ -80,7 +80,7 @@ AUTO_SHAPES = ((4096, 32, 4096), (4096, 32, 2048), (2048, 16, 2048), (1024, 8, 1
 AUTO_BATCHES = (2, 1)  # without --batch: two sequences where they fit (an H200), else one
 AUTO_MEMORY_SHARE = 0.6  # of the GPU's memory the estimate may use (allocator slack, pinned staging, cuBLAS)
 DRY_SHAPE = dict(layers=2, hidden=64, heads=4, seq=32, batch=1, vocab=128)
-DRY_LINK_BYTES_PER_S = 10**9  # the dry run checks the code path, not the speed: copies on worker threads, quickly
+DRY_LINK_BYTES_PER_S = 10**9  # the dry run checks the code path, not the speed: quick copies on the device clock
 
 
 # ---- shape --------------------------------------------------------------------------------------

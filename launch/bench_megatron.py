@@ -23,11 +23,9 @@ nothing of the test module runs here). Per layout the table gives:
 - bit-identity: equal ``losses`` (exact, ``float.hex``) and equal ``params_sha256`` on every rank;
 - the stage of the last iteration on each rank.
 
-On CPU every rank runs on gloo with one ``EmulatedDevice``: memory is metered exactly; without ``--preset``
-the host link is instant (copies take no time beyond the CPU's own memcpy on the runtime's worker threads),
-with it the link is scaled to that accelerator against each rank's measured matmul rate. All times are
-emulated: N ranks share this machine's cores, so the time ratio is the runtime's cost in a CPU job, not a
-GPU's speed.
+On CPU every rank runs on gloo with one ``EmulatedDevice`` (a simulated GPU): memory as the caching
+allocator reports it; without ``--preset`` the compute figures are this CPU's measured rates and the host
+link is instant, with it the preset's roofline and real link rates. All times are emulated device time.
 
     .venv/bin/python launch/bench_megatron.py --json runs/bench_megatron.json   # ~10 min on 2 cores
     .venv/bin/python launch/bench_megatron.py --layouts pp2,tp2pp2 --iterations 20

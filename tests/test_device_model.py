@@ -11,7 +11,7 @@ import torch
 from chameleon_dist.config import ConfigError, load_config
 from chameleon_dist.device import model as device_model
 from chameleon_dist.device.model import DeviceModel, dtype_key, measure_cpu_rates
-from chameleon_dist.device.presets import PRESETS, calibrate, get_preset
+from chameleon_dist.device.presets import PRESETS, get_preset
 
 CPU_RATES = (2e11, 3e10)  # (FLOP/s, copy bytes/s) handed in: nothing is measured
 
@@ -51,14 +51,6 @@ def test_each_preset_supplies_every_figure_with_its_source(name):
     for figure in ("float32", "bfloat16", "memory_bytes_per_s", "h2d", "launch_latency_s", "duplex_factor"):
         assert figure in text, figure
     assert get_preset(name).device_model() == model
-
-
-def test_presets_keep_the_old_calibration_api():
-    preset = get_preset("h100-pcie")
-    assert preset.peak_flop_per_s == 756e12 and 10_000 < preset.h2d_flop_per_byte < 20_000
-    calibration = calibrate("h100-pcie", cpu_flop_per_s=100e9)
-    assert calibration.h2d_bytes_per_s == pytest.approx(100e9 * 55e9 / 756e12)
-    assert {p.name for p in PRESETS} == set(EXPECTED)
 
 
 def test_peak_for_falls_back_to_default_for_dtypes_not_listed():

@@ -13,7 +13,7 @@ from chameleon_dist.device.model import DeviceModel, measure_cpu_rates
 from chameleon_dist.device.simulated.hazards import StreamHazardError
 from chameleon_dist.device.simulated.memory import EmulatedOutOfMemoryError
 from chameleon_dist.device.stream_device import StreamDevice
-from chameleon_dist.device.presets import PRESETS, AcceleratorPreset, calibrate
+from chameleon_dist.device.presets import PRESETS, AcceleratorPreset
 
 __all__ = [
     "AcceleratorPreset",
@@ -29,7 +29,6 @@ __all__ = [
     "StreamDevice",
     "StreamHazardError",
     "byte_view",
-    "calibrate",
     "is_host_sync",
     "make_device",
     "measure_cpu_rates",

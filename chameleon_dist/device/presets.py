@@ -1,4 +1,4 @@
-"""Accelerator presets: the figures of a real node, and the old scaling of the emulated link to this CPU.
+"""Accelerator presets: the figures of a real node that the simulated device models.
 
 Each preset carries the public figures the simulated device's cost model needs (see
 :mod:`chameleon_dist.device.model`): peak FLOP/s per dtype (dense; fp32 without tensor cores, as PyTorch
@@ -6,24 +6,11 @@ runs fp32 matmuls with TF32 off by default), HBM bandwidth, the device-side laun
 kernel, the real host-link rates and how much of them each direction keeps while the other copies, each
 figure with its source in ``sources``. :meth:`AcceleratorPreset.device_model` turns them into a
 ``DeviceModel``.
-
-``calibrate`` is the earlier scheme, kept until the simulated device replaces it: on a real node what
-matters for swapping is the ratio of compute to host-link bandwidth (FLOP per link byte: ~13,000-18,000
-on Ascend 910B, A100, H100 and H200 PCIe nodes), so the emulated link is slowed to keep that ratio
-against the CPU's own matmul rate:
-``link_bytes_per_s = cpu_matmul_flop_per_s / (accel_peak_flop_per_s / accel_link_bytes_per_s)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
-
-import torch
-
-logger = logging.getLogger(__name__)
-
 
 # Sources named by the figures below (short forms). The link rates are those of configs/hardware/*.yaml.
 _A100_SHEET = "NVIDIA A100 datasheet (A100 80GB PCIe column)"
@@ -41,7 +28,7 @@ _DUPLEX_GEN5 = _DUPLEX_A100 + "; no PCIe5 two-way measurement found, the PCIe4 f
 class AcceleratorPreset:
     """One accelerator node's public figures.
 
-    ``peak_flop_per_s`` is the dense 16-bit peak (what ``calibrate`` scales by); ``dtype_peak_flop_per_s``
+    ``peak_flop_per_s`` is the dense 16-bit peak (the compute-to-link ratio: ``h2d_flop_per_byte``); ``dtype_peak_flop_per_s``
     holds the peak per dtype name (``"float32"``, ``"bfloat16"``, ...; ``"default"`` for any other dtype).
     ``h2d_bytes_per_s``/``d2h_bytes_per_s`` are real, measured pinned-copy rates (unscaled).
     """
@@ -154,49 +141,3 @@ def get_preset(name: str) -> AcceleratorPreset:
             return preset
     known = ", ".join(p.name for p in PRESETS)
     raise ValueError(f"unknown device.preset {name!r}; choose one of: {known}")
-
-
-def measure_matmul_flop_per_s(duration_s: float = 0.3, size: int = 512) -> float:
-    """This CPU's fp32 matmul throughput in FLOP/s, measured for about ``duration_s``."""
-    # (not randn: measuring must leave the global random generator as it was)
-    a = torch.full((size, size), 0.5)
-    b = torch.full((size, size), 0.25)
-    a @ b  # warm-up
-    runs = 0
-    start_s = time.perf_counter()
-    while True:
-        a @ b
-        runs += 1
-        elapsed_s = time.perf_counter() - start_s
-        if elapsed_s >= duration_s:
-            break
-    return 2 * size**3 * runs / elapsed_s
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkCalibration:
-    preset: AcceleratorPreset
-    cpu_flop_per_s: float
-    h2d_bytes_per_s: float
-    d2h_bytes_per_s: float
-
-    def describe(self) -> str:
-        return (
-            f"emulated link calibrated to {self.preset.name}: CPU matmul {self.cpu_flop_per_s / 1e9:.1f} GFLOP/s, "
-            f"{self.preset.h2d_flop_per_byte:,.0f} FLOP per link byte -> H2D {self.h2d_bytes_per_s / 1e6:.2f} MB/s, "
-            f"D2H {self.d2h_bytes_per_s / 1e6:.2f} MB/s (emulated)"
-        )
-
-
-def calibrate(preset_name: str, cpu_flop_per_s: float | None = None) -> LinkCalibration:
-    """Scale ``preset_name``'s link to this CPU (measures the CPU when ``cpu_flop_per_s`` is None)."""
-    preset = get_preset(preset_name)
-    flops = cpu_flop_per_s if cpu_flop_per_s is not None else measure_matmul_flop_per_s()
-    calibration = LinkCalibration(
-        preset=preset,
-        cpu_flop_per_s=flops,
-        h2d_bytes_per_s=flops / preset.h2d_flop_per_byte,
-        d2h_bytes_per_s=flops / preset.d2h_flop_per_byte,
-    )
-    logger.info(calibration.describe())
-    return calibration
