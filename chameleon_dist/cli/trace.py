@@ -153,7 +153,7 @@ def _record_job(config: Path | None, compare_iterations: int) -> TraceRun:
     trace = None
     with megatron_cpu_session(seed=settings.seed):
         model = build_gpt(shape, seed=settings.seed)
-        chameleon = Chameleon(train_job.for_unconstrained_device(chameleon_config), device=train_job.unconstrained_device())
+        chameleon = Chameleon(train_job.for_unconstrained_device(chameleon_config), device=train_job.unconstrained_device(chameleon_config))
         chameleon.attach(model)
         optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
         for iteration in range(1, compare_iterations + 2):

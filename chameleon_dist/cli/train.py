@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("[1/3] reference: unconstrained emulated device, no swapping", flush=True)
     reference = train_job.train(
-        job, "reference", train_job.for_unconstrained_device(disabled), train_job.unconstrained_device(), _progress_line
+        job, "reference", train_job.for_unconstrained_device(disabled), train_job.unconstrained_device(disabled),
+        _progress_line
     )
     print(f"[2/3] without Chameleon on {format_bytes(device.capacity_bytes)}", flush=True)
     without = train_job.train(job, "without", disabled, train_job.constrained_device(disabled))

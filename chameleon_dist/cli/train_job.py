@@ -17,6 +17,7 @@ from chameleon_dist.config import ChameleonConfig, ConfigError, DeviceConfig
 from chameleon_dist.config.shipped import DEFAULT_JOB
 from chameleon_dist.device import EmulatedDevice, EmulatedOutOfMemoryError
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES, make_device
+from chameleon_dist.device.model import DeviceModel
 from chameleon_dist.integrations.megatron.gpt import build_gpt, gpt_loss, megatron_cpu_session, synthetic_batch
 from chameleon_dist.models import TransformerShape
 from chameleon_dist.trace.stages import Stage
@@ -128,14 +129,17 @@ class RunResult:
 ProgressFn = Callable[[RunResult, IterationReport, torch.Tensor], None]
 
 
-def unconstrained_device() -> EmulatedDevice:
-    return EmulatedDevice(capacity_bytes=UNBOUNDED_CAPACITY_BYTES)
+def unconstrained_device(config: ChameleonConfig | None = None) -> EmulatedDevice:
+    """The emulated device ``config.device`` describes (the same simulated GPU: preset, rates, host cost), of
+    unbounded capacity: the reference run's times are comparable with the constrained run's."""
+    model = DeviceModel.from_config(config.device if config is not None else DeviceConfig())
+    return EmulatedDevice(capacity_bytes=UNBOUNDED_CAPACITY_BYTES, model=model)
 
 
 def for_unconstrained_device(config: ChameleonConfig) -> ChameleonConfig:
-    """``config`` without its ``device`` section (capacity, link), which describes the constrained device:
-    ``Chameleon`` refuses a config whose device settings differ from the device it is given."""
-    return config.model_copy(update={"device": DeviceConfig()})
+    """``config`` without the constrained device's capacity (``Chameleon`` refuses a config whose device
+    settings differ from the device it is given); the rest of the device section stays."""
+    return config.model_copy(update={"device": config.device.model_copy(update={"capacity": None})})
 
 
 def constrained_device(config: ChameleonConfig) -> EmulatedDevice:
