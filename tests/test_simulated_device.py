@@ -277,3 +277,14 @@ def test_a_write_under_a_swap_out_tears_its_host_copy_and_restoring_that_copy_is
         device.synchronize()
         with pytest.raises(StreamHazardError, match="torn"):
             device.copy_to_device(handle.result)
+
+
+def test_indexing_with_a_boolean_mask_makes_the_host_wait_for_the_device():
+    """The output's size depends on the mask's values: on a GPU the host reads them back (a sync)."""
+    device = _device(peak_flop_per_s=1e9)
+    a = device.track(torch.ones(128, 128))
+    with device.active():
+        mask = (a @ a) > 0  # 4.2 ms of device time before the mask exists
+        picked = a[mask]
+    assert picked.numel() == 128 * 128
+    assert device.backend.clock.host_s >= 2 * 128**3 / 1e9

@@ -245,7 +245,7 @@ class SimulatedBackend:
             if self.hazards.enabled:
                 self._check_kernel(func, stream, start_s, end_s, inputs if inputs is not None else
                                    _strided(tree_leaves((args, kwargs))), outputs)
-        if self.cost.is_host_sync(func):
+        if self.cost.is_host_sync(func, args, kwargs):
             self.clock.wait_for(stream.ready_s)  # e.g. .item(): the host waits for the value
         return out
 
