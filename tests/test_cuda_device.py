@@ -129,7 +129,7 @@ def fake_cuda(monkeypatch):
 
     def make(**kwargs) -> CudaDevice:
         device = CudaDevice(**kwargs)
-        device.torch_device = device.backend.torch_device = torch.device("cpu")  # "device" memory is CPU memory
+        device.backend.torch_device = torch.device("cpu")  # "device" memory is CPU memory
         return device
 
     fake.make = make

@@ -276,7 +276,7 @@ def test_a_reset_by_someone_else_mid_iteration_gives_the_peak_since_as_a_lower_b
 
 def test_a_swap_in_is_a_peak_sample(gpu80, monkeypatch):
     device = CudaDevice()
-    device.torch_device = device.backend.torch_device = torch.device("cpu")
+    device.backend.torch_device = torch.device("cpu")
     _iteration(gpu80, device, [8 * GiB])  # the process peaks at 17 GiB
     device.reset_peak()
     real_empty = torch.empty

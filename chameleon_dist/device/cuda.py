@@ -200,8 +200,24 @@ class CudaDevice(StreamDevice):
         backend = CudaBackend(capacity_bytes, device_index, enforce_capacity)
         super().__init__(backend, host_memory_budget_bytes, d2h_bytes_per_s=d2h_bytes_per_s,
                          h2d_bytes_per_s=h2d_bytes_per_s)
-        self.index = backend.index
-        self.torch_device = backend.torch_device
-        self.host_allocator = backend.host_allocator_instance
-        self.capacity_reading = backend.capacity_reading
-        self.capacity_enforced = backend.capacity_enforced
+
+    # (the backend's, read through: one copy of each)
+    @property
+    def index(self) -> int:
+        return self.backend.index
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self.backend.torch_device
+
+    @property
+    def host_allocator(self) -> PinnedHostAllocator:
+        return self.backend.host_allocator_instance
+
+    @property
+    def capacity_reading(self) -> cuda_memory.CapacityReading:
+        return self.backend.capacity_reading
+
+    @property
+    def capacity_enforced(self) -> bool:
+        return self.backend.capacity_enforced

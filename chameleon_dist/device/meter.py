@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from chameleon_dist.device.base import PressureHandler
-from chameleon_dist.device.simulated.memory import EmulatedOutOfMemoryError, storage_key
+from chameleon_dist.device.simulated.memory import FRESH_FROM_DATA, EmulatedOutOfMemoryError, storage_key
 
 __all__ = ["EmulatedOutOfMemoryError", "StorageMeter", "storage_key"]
 
@@ -133,7 +133,7 @@ class StorageMeter(TorchDispatchMode):
                 known = self._tracked.get(key)
                 if known is None:
                     if input_keys is None:
-                        input_keys = set() if func in _FRESH_FROM_DATA else _storage_keys(args, kwargs, counted)
+                        input_keys = set() if func in FRESH_FROM_DATA else _storage_keys(args, kwargs, counted)
                     if key in input_keys:  # a view of / in-place on a storage we never saw created
                         continue
                 elif known == nbytes:
@@ -163,9 +163,6 @@ class StorageMeter(TorchDispatchMode):
             handler(short_bytes)
 
 
-# torch.tensor(data) builds its tensor below the dispatcher and only then passes it through lift_fresh:
-# the "input" of that op is a brand-new storage, not an existing one.
-_FRESH_FROM_DATA = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
 
 
 def _has_storage(t: torch.Tensor) -> bool:

@@ -213,7 +213,7 @@ class StreamDevice:
         stream = self.backend.current_stream()
         if not handle.done():
             self._timed_wait(stream, handle.event)
-        if handle.guard is not None and (handle.guard is stream or handle.guard == stream or handle.done()):
+        if handle.guard is not None and (handle.guard == stream or handle.done()):
             handle.guard = None
         return handle.result
 

@@ -18,7 +18,7 @@ from chameleon_dist.device.cost import KernelCostModel
 from chameleon_dist.device.model import DeviceModel
 from chameleon_dist.device.simulated.clock import DeviceClock, SimEvent, SimStream, link_pair
 from chameleon_dist.device.simulated.hazards import HazardChecker
-from chameleon_dist.device.simulated.memory import SimAllocator, storage_key
+from chameleon_dist.device.simulated.memory import FRESH_FROM_DATA, SimAllocator, storage_key
 
 _aten = torch.ops.aten
 # ops that allocate or relabel memory but launch no kernel on a GPU
@@ -27,9 +27,6 @@ _NO_KERNEL = frozenset({
     _aten.new_empty_strided.default, _aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset,
     _aten.set_.source_Tensor, _aten.set_.default, _aten.lift_fresh.default,
 })
-# torch.tensor(data) builds its tensor below the dispatcher and only then passes it through lift_fresh: the
-# "input" of that op is a brand-new storage, not an existing one
-_FRESH_FROM_DATA = frozenset({_aten.lift_fresh.default, _aten.lift_fresh_copy.default})
 
 
 def _strided(leaves) -> list[torch.Tensor]:
@@ -70,21 +67,20 @@ class SimulatedBackend:
     def _host_work(self) -> None:
         """The host did its own work since the last kernel: measured, or a fixed cost per call."""
         if self._host_op_s is None:
-            now_s = time.perf_counter()
-            self.clock.advance_host(now_s - self._wall_mark_s)
-            self._wall_mark_s = now_s
+            self._measured_host_work()
         else:
             self.clock.advance_host(self._host_op_s)
 
-    def _kernel_done(self) -> None:
-        """The CPU's eager computation of a kernel is not host time: restart the host measurement."""
-        self._wall_mark_s = time.perf_counter()
+    def _measured_host_work(self) -> None:
+        now_s = time.perf_counter()
+        self.clock.advance_host(now_s - self._wall_mark_s)
+        self._wall_mark_s = now_s
 
     def restart_host_measurement(self) -> None:
         """With the measured host time (``host_op_s`` None), count the host's work from now on: the wall time
-        since this device's last op was not its host's work (e.g. a benchmark that interleaves several devices
-        ran the others meanwhile; without this, that time lands on this device's next op). A fixed host cost
-        per op is unaffected."""
+        since the mark was not its host's work (the CPU's eager computation of a kernel; a benchmark that
+        interleaves several devices ran the others meanwhile: without this, that time lands on this device's
+        next op). A fixed host cost per op is unaffected."""
         self._wall_mark_s = time.perf_counter()
 
     # ---- streams and events -----------------------------------------------------------------
@@ -110,9 +106,7 @@ class SimulatedBackend:
         mark then follows the host's work before the iteration (e.g. the runtime's gradient snapshot), which
         would otherwise land on the iteration's first op, inside it."""
         if self._host_op_s is None:
-            now_s = time.perf_counter()
-            self.clock.advance_host(now_s - self._wall_mark_s)
-            self._wall_mark_s = now_s
+            self._measured_host_work()
         return SimEvent(self.clock, timing)
 
     def elapsed_s(self, start: SimEvent, end: SimEvent) -> float:
@@ -206,7 +200,7 @@ class SimulatedBackend:
             self.hazards.access(destination_block, stream, start_s, end_s, True, "a copy writing its destination")
         with self.host_side():
             destination.copy_(source)
-        self._kernel_done()
+        self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
 
     def run_op(self, func, args: tuple, kwargs: dict):
         """Run one op as the device would: the host queues it (host clock), its new blocks are allocated
@@ -218,13 +212,13 @@ class SimulatedBackend:
         self.hazards.raise_pending()
         stream = self.current_stream()
         out = func(*args, **kwargs)
-        self._kernel_done()
+        self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
         self.op_index += 1
         outputs = _strided(tree_leaves(out))
         inputs = None
         if outputs:
             allocator = self.allocator
-            if func in _FRESH_FROM_DATA:
+            if func in FRESH_FROM_DATA:
                 fresh = allocator.new_storages(outputs, set)
             else:
                 inputs = _strided(tree_leaves((args, kwargs)))

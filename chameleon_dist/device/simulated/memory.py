@@ -21,6 +21,10 @@ from chameleon_dist.device.simulated.clock import SimStream
 from chameleon_dist.device.simulated.hazards import BlockAccess, HazardChecker
 from chameleon_dist.units import format_bytes
 
+# torch.tensor(data) builds its tensor below the dispatcher and only then passes it through lift_fresh: the
+# "input" of that op is a brand-new storage, not an existing one
+FRESH_FROM_DATA = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+
 BLOCK_ROUND_BYTES = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes (kMinBlockSize)."""
 
