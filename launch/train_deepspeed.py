@@ -7,7 +7,8 @@ config's ``"chameleon"`` block. Start it with torchrun or with DeepSpeed's launc
 ``--pipeline-stages`` 0 or 1 trains through a ``DeepSpeedEngine`` (``engine(batch)``, ``engine.backward``,
 ``engine.step`` per micro-batch); 2 or more through a ``PipelineModule`` and ``PipelineEngine.train_batch``.
 On a machine without CUDA it uses gloo and the emulated device the block configures (and, for an fp16
-config, the opt-in ``deepspeed-cpu-fp16-supported`` patch); with CUDA, NCCL and the real device.
+config, the opt-in ``deepspeed-cpu-fp16-supported`` patch); with CUDA, the rank's GPU, NCCL and the real device
+(gloo when ranks share a GPU: ``launch/cuda_ranks.py``).
 ``--no-chameleon`` installs the runtime measuring only (nothing swapped, every byte metered, out of memory at
 the device's capacity), so its report gives each rank's unswapped peak. Rank 0 prints one line per iteration
 and writes the ``--report`` JSON (launch/rank_report.py, the shape the Megatron launcher writes). DeepSpeed
@@ -23,7 +24,6 @@ import datetime
 import importlib
 import json
 import logging
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from cuda_ranks import rank_cuda_setup  # noqa: E402
 from rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
 from toy_gpt import Block, MoEFeedForward  # noqa: E402
 
@@ -231,9 +232,11 @@ def session(args: argparse.Namespace, config: dict[str, Any]) -> Iterator[bool]:
             from chameleon_dist.patching import apply_patches
 
             patches = apply_patches(CPU_PATCHES)
+        backend = "gloo"
     else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl", timeout=timeout)
+        index, backend = rank_cuda_setup(torch.cuda.device_count())
+        torch.cuda.set_device(index)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     with patches:
         try:
             yield on_cpu

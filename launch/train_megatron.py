@@ -5,7 +5,8 @@ parallelism, with Chameleon installed on every rank. Start it with torchrun::
         --chameleon-device-capacity 40MB --report runs/megatron_tp2pp2.json
 
 On a machine without CUDA it uses gloo, the opt-in CPU shims and one emulated device per rank (sized by
-``--chameleon-device-capacity``); with CUDA, NCCL and the real device. ``--no-chameleon`` still meters every
+``--chameleon-device-capacity``); with CUDA, the rank's GPU, NCCL and the real device (gloo when ranks share
+a GPU: ``launch/cuda_ranks.py``). ``--no-chameleon`` still meters every
 rank (nothing is swapped, out of memory at the emulated capacity), so its report gives each rank's
 unswapped peak. Rank 0 prints one line per iteration and writes the ``--report`` JSON (launch/rank_report.py).
 Megatron stays the distributed engine: its own schedule, DDP and collectives run the job.
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_ranks import rank_cuda_setup  # noqa: E402
 from rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
 
 from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args  # noqa: E402
@@ -140,8 +142,9 @@ def session(args: argparse.Namespace) -> Iterator[bool]:
     from megatron.core import tensor_parallel
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, as use_deterministic_algorithms needs
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl", init_method="env://", timeout=timeout)
+    index, backend = rank_cuda_setup(torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
     parallel_state.initialize_model_parallel(args.tp, args.pp, virtual_pipeline_model_parallel_size=vpp)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     try:

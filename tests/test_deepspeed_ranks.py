@@ -24,6 +24,10 @@ pytest.importorskip("deepspeed")
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "deepspeed"
 ITERATIONS = 4
+# Layouts trained long enough to reach the steady state: 2 WarmUp and 5 trial iterations, then Stable
+STEADY_ITERATIONS = {"zero2": 12}
+MIN_STABLE_ITERATIONS = 4
+STEADY_HOST_OP_S = 2e-5  # a fixed host cost per op: each rank's trials, so its Stable policy, repeat on every machine
 UNLIMITED = "4GB"
 MIB = 2**20
 
@@ -42,7 +46,8 @@ OUT_OF_MEMORY_RUNS = ("zero1-gas4", "pipeline")  # the run without Chameleon at 
 
 def _argv(name: str, config: Path, report: Path, chameleon: bool, capacity: str) -> list[str]:
     extra = LAYOUTS[name][2]
-    return ["--deepspeed_config", str(config), "--iterations", str(ITERATIONS), "--chameleon-device-capacity", capacity,
+    iterations = STEADY_ITERATIONS.get(name, ITERATIONS) if chameleon or capacity == UNLIMITED else ITERATIONS
+    return ["--deepspeed_config", str(config), "--iterations", str(iterations), "--chameleon-device-capacity", capacity,
             "--report", str(report), *extra, *([] if chameleon else ["--no-chameleon"])]
 
 
@@ -53,6 +58,8 @@ def results(tmp_path_factory):
     for name, (file, changes, _, capacity) in LAYOUTS.items():
         config = json.loads((CONFIGS / file).read_text())
         config.update(changes)
+        if name in STEADY_ITERATIONS:
+            config["chameleon"]["device"]["host_op_s"] = STEADY_HOST_OP_S
         path = work / f"{name}.ds.json"
         path.write_text(json.dumps(config))
         variants = [("off", False, UNLIMITED), ("on", True, capacity)]
@@ -67,7 +74,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_trains_bit_identically_within_capacity(results, name):
     off, on = completed(results[f"{name}-off"]), completed(results[f"{name}-on"])
-    assert len(on["losses"]) == ITERATIONS and on["losses"] == off["losses"], "the losses differ"
+    assert len(on["losses"]) == STEADY_ITERATIONS.get(name, ITERATIONS) and on["losses"] == off["losses"], "losses differ"
     assert [r["params_sha256"] for r in on["ranks"]] == [r["params_sha256"] for r in off["ranks"]], "parameters differ"
     assert off["chameleon"]["enabled"] is False and off["chameleon"]["measured"] is True
     assert on["chameleon"]["enabled"] is True
@@ -80,6 +87,24 @@ def test_layout_trains_bit_identically_within_capacity(results, name):
     for without, rank in zip(off["ranks"], on["ranks"]):
         if without["peak_device_bytes"] > rank["capacity_bytes"]:
             assert sum(row["swap_out_bytes"] for row in rank["iterations"]) > 0, rank["rank"]
+
+
+@pytest.mark.parametrize("name", STEADY_ITERATIONS)
+def test_every_rank_reaches_stable_and_stays(results, name):
+    """Every rank settles in Stable after its trials and stays, with no passive swap and a policy that swaps
+    less than WarmUp's swap-everything (none on a rank that fits; the bit-identical training is asserted above)."""
+    on, off = completed(results[f"{name}-on"]), completed(results[f"{name}-off"])
+    for rank, unswapped in zip(on["ranks"], off["ranks"]):
+        stages = [row["stage"] for row in rank["iterations"]]
+        first = stages.index("stable") if "stable" in stages else len(stages)
+        assert len(stages) - first >= MIN_STABLE_ITERATIONS, (rank["rank"], stages)
+        assert set(stages[first:]) == {"stable"}, (rank["rank"], stages)
+        stable = rank["iterations"][first:]
+        assert all(row["passive_swaps"] == 0 for row in stable), (rank["rank"], stable)
+        warmup_swapped = rank["iterations"][0]["swap_out_bytes"]
+        assert all(row["swap_out_bytes"] < warmup_swapped for row in stable), (rank["rank"], stable)
+        if unswapped["peak_device_bytes"] > rank["capacity_bytes"]:  # (a rank that fits needs no swap)
+            assert all(row["swap_out_bytes"] > 0 for row in stable), (rank["rank"], stable)
 
 
 def test_the_layouts_are_what_they_say(results):

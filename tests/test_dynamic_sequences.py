@@ -1,7 +1,10 @@
 """Dynamic sequences on a device half the size of the unswapped peak (issue 12): an eager MoE whose idle
 experts do not run, sequence lengths and batch sizes that change, micro-batches of different lengths, and
 timing jitter on a slow link. Every loss and gradient is ``torch.equal`` to the same loop without
-swapping, every peak stays within the capacity, and the runtime spends its time in Stable.
+swapping, and the runtime spends its time in Stable. The emulated device itself refuses to go past its
+capacity, so these tests assert what a regression would change instead: the share of iterations in Stable,
+no return to WarmUp once Stable, no out-of-memory retry in Stable and how many passive swaps Stable needs.
+The device model is fixed (h100-pcie figures, 20 us of host time per op): the figures repeat on any machine.
 
 "After the first warm-up" below means after the runtime's first ``warmup_iterations + policy_trials``
 iterations (profiling and trials), when it first reaches Stable.
@@ -58,7 +61,7 @@ def _train(case: Case, config: dict | None, capacity_bytes: int = UNBOUNDED_BYTE
     torch.manual_seed(0)
     model = case.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    chameleon = Chameleon(config, device=device or EmulatedDevice(capacity_bytes))
+    chameleon = Chameleon(config, device=device or EmulatedDevice(capacity_bytes, preset="h100-pcie", host_op_s=2e-5))
     chameleon.attach(model)
     trained = Trained([], [], [], [])
     for i in range(1, case.iterations + 1):
@@ -99,6 +102,25 @@ def _run_at_half_capacity(case: Case, config: dict | None = None) -> tuple[Train
     capacity = max(r.peak_device_bytes for r in plain.reports) // 2
     swapped = _train(case, {"min_swap_bytes": 1024, **(config or {})}, capacity)
     return swapped, plain, capacity
+
+
+def _stable_reports(trained: Trained) -> list:
+    return [r for r in trained.reports if r.stage == "stable"]
+
+
+def _assert_settled(case: Case, swapped: Trained, min_stable_share: float, max_stable_passive_swaps: int) -> None:
+    """Once Stable, it stays (no re-profiling), never retries an iteration, and passive swaps (the policy's
+    misses, each one a synchronous copy) stay within what the case's changes explain."""
+    stages = _stages(swapped)
+    first = stages.find("S")
+    assert 0 <= first <= WARMUP + TRIALS + 5, stages  # (one retried trial may restart the warm-up)
+    assert "W" not in stages[first:] and "G" not in stages[first:], stages
+    after = stages[WARMUP + TRIALS:]
+    assert after.count("S") >= min_stable_share * len(after), stages
+    stable = _stable_reports(swapped)
+    assert all(r.oom_retries == 0 for r in stable), [r.oom_retries for r in stable]
+    assert sum(r.passive_swaps for r in stable) <= max_stable_passive_swaps, [r.passive_swaps for r in stable]
+    assert sum(r.swap_out_bytes for r in stable) > 0
 
 
 def _summary(case: Case, swapped: Trained, capacity: int) -> str:
@@ -143,45 +165,42 @@ def test_an_eager_moe_with_idle_experts_reaches_stable_and_stays():
     swapped, plain, capacity = _run_at_half_capacity(case)
     print(_summary(case, swapped, capacity))
     _assert_bit_identical(swapped, plain)
-    stages = _stages(swapped)
-    first = stages.find("S") + 1
-    assert 0 < first <= WARMUP + TRIALS + 1, stages
-    after = stages[first - 1:]
-    assert after.count("S") >= 0.9 * len(after), stages
-    assert max(r.peak_device_bytes for r in swapped.reports) <= capacity
+    _assert_settled(case, swapped, min_stable_share=1.0, max_stable_passive_swaps=0)
     # the routing really changed: iterations differ from the reference, and the sequence has other ops
     # (skipped experts) than the traced one, yet nothing counted as a new program
     assert any(r.sequence_change_kind in ("absorbed", "rerouted") for r in swapped.reports)
     assert not any(r.sequence_changed for r in swapped.reports)
-    stable = [r for r in swapped.reports if r.stage == "stable"]
-    assert sum(r.swap_out_bytes for r in stable) > 0
+    stable = _stable_reports(swapped)
     # experts' tensors come with other token counts: matched on their sites, at other shapes
     assert all(r.matched_fuzzy > 0 for r in stable)
 
 
-def _check_mostly_stable(case: Case) -> None:
+def _check_mostly_stable(case: Case, min_stable_share: float, max_stable_passive_swaps: int,
+                         max_retries: int = 0) -> None:
     swapped, plain, capacity = _run_at_half_capacity(case)
     print(_summary(case, swapped, capacity))
     _assert_bit_identical(swapped, plain)
-    assert max(r.peak_device_bytes for r in swapped.reports) <= capacity
-    after = _stages(swapped)[WARMUP + TRIALS:]
-    assert after.count("S") >= 0.8 * len(after), _stages(swapped)
-    assert sum(r.swap_out_bytes for r in swapped.reports) > 0
+    _assert_settled(case, swapped, min_stable_share, max_stable_passive_swaps)
+    assert sum(r.oom_retries for r in swapped.reports) <= max_retries, [r.oom_retries for r in swapped.reports]
 
 
 @pytest.mark.slow
 def test_sequence_length_changing_every_three_iterations_stays_mostly_stable():
-    _check_mostly_stable(CASES["lengths"])
+    # a length never seen before (64, 96, 128 drawn every 3 iterations) may miss the policy once or twice:
+    # passive swaps, then the policy tightens in place (today 4 passive swaps in 53 Stable iterations)
+    _check_mostly_stable(CASES["lengths"], min_stable_share=1.0, max_stable_passive_swaps=6)
 
 
 @pytest.mark.slow
 def test_micro_batches_of_different_lengths_stay_mostly_stable():
-    _check_mostly_stable(CASES["micro_batches"])
+    _check_mostly_stable(CASES["micro_batches"], min_stable_share=1.0, max_stable_passive_swaps=0)
 
 
 @pytest.mark.slow
 def test_a_random_batch_size_every_iteration_stays_mostly_stable():
-    _check_mostly_stable(CASES["batch_size"])
+    # a trial's policy runs out of memory at a batch size larger than the profiled ones: one retry, a new
+    # warm-up, then Stable for good (today 48 of 53 iterations after the first warm-up)
+    _check_mostly_stable(CASES["batch_size"], min_stable_share=0.85, max_stable_passive_swaps=0, max_retries=1)
 
 
 @pytest.mark.slow
@@ -198,7 +217,7 @@ def test_timing_jitter_on_a_slow_link_never_sends_stable_back_to_warmup():
     stages = _stages(swapped)
     first = stages.find("S")
     assert first >= 0 and "W" not in stages[first:] and "G" not in stages[first:], stages
-    assert max(r.peak_device_bytes for r in swapped.reports) <= capacity
+    assert all(r.oom_retries == 0 for r in _stable_reports(swapped)), stages
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from tests.rank_batch import completed, run_jobs
 pytest.importorskip("megatron.core")
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["--iterations", "6", "--hidden-size", "64", "--seq-length", "128", "--micro-batch-size", "4",
+ITERATIONS = 6
+COMMON = ["--iterations", str(ITERATIONS), "--hidden-size", "64", "--seq-length", "128", "--micro-batch-size", "4",
           "--micro-batches", "4", "--chameleon-min-swap-bytes", "16KiB"]
 UNLIMITED = "4GB"
 
@@ -38,6 +39,14 @@ LAYOUTS = {
     "pp2-moe": (2, ["--pp", "2", "--num-experts", "4"], "15MB"),  # unswapped peaks 30.4MB / 18.7MB; 13MB runs out
 }
 SIZES = {"MB": 10**6, "GB": 10**9}
+# Layouts trained long enough to reach the steady state users train in: 2 WarmUp and 5 trial iterations, then
+# Stable on every rank for the rest (tests below assert it)
+STEADY_ITERATIONS = {"tp2pp2": 12}
+MIN_STABLE_ITERATIONS = 4
+# ... with a fixed host cost per op: the trials' times, and so each rank's Stable policy, are the same on every
+# machine (measured host time is noise on an emulated device that is host-bound: a rank that fits may then
+# settle on a policy that swaps everything, as fast as swapping nothing within that noise)
+STEADY_HOST = ["--chameleon-host-op-s", "2e-5"]
 
 # Another tenant takes 1.6 MB of rank 0's 10 MB in iteration 8 (Stable, its policy made for the whole device):
 # the ops that run short are relieved inside the op (passive swap) and run again; one rank cannot retry an
@@ -66,8 +75,10 @@ def results(tmp_path_factory) -> dict[str, dict]:
             ("oom", ["--no-chameleon", "--chameleon-device-capacity", capacity]),
         ):
             report = work / f"{name}-{variant}.json"
+            longer = ["--iterations", str(STEADY_ITERATIONS[name]), *STEADY_HOST] \
+                if name in STEADY_ITERATIONS and variant != "oom" else []
             runs.append({"name": f"{name}-{variant}", "world_size": world_size, "timeout_s": 180,
-                         "argv": [*COMMON, *layout, *extra, "--report", str(report)]})
+                         "argv": [*COMMON, *layout, *extra, *longer, "--report", str(report)]})
     for name, extra in SQUEEZED.items():
         runs.append({"name": name, "world_size": 2, "timeout_s": 180,
                      "argv": [*SQUEEZED_COMMON, *extra, "--report", str(work / f"{name}.json")]})
@@ -78,7 +89,7 @@ def results(tmp_path_factory) -> dict[str, dict]:
 def test_layout_trains_bit_identically_within_capacity(results, name):
     world_size, _layout, capacity = LAYOUTS[name]
     off, on = completed(results[f"{name}-off"]), completed(results[f"{name}-on"])
-    assert on["losses"] == off["losses"] and len(on["losses"]) == 6
+    assert on["losses"] == off["losses"] and len(on["losses"]) == STEADY_ITERATIONS.get(name, ITERATIONS)
     assert all(loss != "nan" for loss in on["losses"])
     assert [r["params_sha256"] for r in on["ranks"]] == [r["params_sha256"] for r in off["ranks"]]
     unswapped = [r["peak_device_bytes"] for r in off["ranks"]]
@@ -103,6 +114,26 @@ def test_without_chameleon_the_same_capacity_runs_out_of_memory(results, name):
     assert result["report"] is None  # the job ended: nobody wrote a report
 
 
+@pytest.mark.parametrize("name", STEADY_ITERATIONS)
+def test_every_rank_reaches_stable_and_stays(results, name):
+    """The steady state is where users train: every rank settles in Stable after its trials and stays there,
+    with no passive swap (each one a policy miss paid synchronously) and a policy that swaps less than
+    WarmUp's swap-everything (none on a rank that fits), while training bit-identically (asserted above)."""
+    on, off = completed(results[f"{name}-on"]), completed(results[f"{name}-off"])
+    for rank, unswapped in zip(on["ranks"], off["ranks"]):
+        stages = [it["stage"] for it in rank["iterations"]]
+        first = stages.index("stable") if "stable" in stages else len(stages)
+        assert len(stages) - first >= MIN_STABLE_ITERATIONS, (rank["rank"], stages)
+        assert set(stages[first:]) == {"stable"}, (rank["rank"], stages)
+        stable = rank["iterations"][first:]
+        assert all(it["passive_swaps"] == 0 for it in stable), (rank["rank"], stable)
+        assert all(it["sequence_change_kind"] == "identical" for it in stable), (rank["rank"], stable)
+        warmup_swapped = rank["iterations"][0]["swap_out_bytes"]
+        assert all(it["swap_out_bytes"] < warmup_swapped for it in stable), (rank["rank"], stable)
+        if unswapped["peak_device_bytes"] > rank["capacity_bytes"]:  # (a rank that fits needs no swap)
+            assert all(it["swap_out_bytes"] > 0 for it in stable), (rank["rank"], stable)
+
+
 def test_a_rank_squeezed_mid_iteration_is_relieved_inside_the_op_and_the_job_trains_on(results):
     off, on = completed(results["pp2-squeezed-off"]), completed(results["pp2-squeezed-on"])
     assert on["losses"] == off["losses"] and len(on["losses"]) == 9
@@ -122,7 +153,7 @@ def test_report_holds_the_layout_and_every_rank(results):
     coordinates = sorted((r["rank"], r["tp_rank"], r["pp_rank"], r["dp_rank"]) for r in report["ranks"])
     assert coordinates == [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 1, 0), (3, 1, 1, 0)]
     for rank in report["ranks"]:
-        assert len(rank["iterations"]) == 6 and len(rank["params_sha256"]) == 64
+        assert len(rank["iterations"]) == STEADY_ITERATIONS["tp2pp2"] and len(rank["params_sha256"]) == 64
         assert {"peak_device_bytes", "swap_out_bytes", "stall_s", "iteration_s", "stage",
                 "stage_transition"} <= set(rank["iterations"][0])
         transitions = [it["stage_transition"] for it in rank["iterations"] if it["stage_transition"]]
@@ -180,6 +211,26 @@ def test_a_failing_rank_ends_a_torchrun_job_in_bounded_time(tmp_path):
     assert done.returncode != 0
     output = done.stdout + done.stderr
     assert "[rank 1/2 tp 0/1 pp 1/2 dp 0/1] iteration 2 failed: RuntimeError: --fail-rank" in output, output[-4000:]
+    assert elapsed_s < 180, elapsed_s  # far below the 600 s collective timeout: torchrun tore the job down
+
+
+def test_an_unrecoverable_out_of_memory_with_chameleon_on_ends_a_torchrun_job_in_bounded_time(tmp_path):
+    """Chameleon on, and another tenant takes 50 MB of rank 1's 10 MB in iteration 3: nothing Chameleon frees can
+    make room, and one rank cannot retry an iteration alone. Rank 1 must stop with ``RankOutOfMemoryError``
+    naming its coordinates and the setting to change, and torchrun must end the job (rank 0 waits on it)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc-per-node", "2", str(REPO / "launch" / "train_megatron.py"), "--pp", "2",
+               "--iterations", "4", "--chameleon-device-capacity", "10MB", "--squeeze-rank", "1",
+               "--squeeze-iteration", "3", "--squeeze-bytes", "50MB", "--dist-timeout-s", "600"]
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elapsed_s = time.monotonic() - start
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "RankOutOfMemoryError: rank 1/2 tp 0/1 pp 1/2 dp 0/1: out of memory in iteration 3" in output, output[-4000:]
+    assert "--chameleon-device-capacity" in output and "Chameleon swapping is on" in output, output[-4000:]
+    assert "iteration 3/4" not in output  # no rank finished the iteration
     assert elapsed_s < 180, elapsed_s  # far below the 600 s collective timeout: torchrun tore the job down
 
 

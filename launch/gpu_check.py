@@ -1,0 +1,211 @@
+"""The GPU check: everything that only a CUDA machine can tell us, in one run of under 8 minutes on one GPU,
+written to one JSON (``<out>/gpu_check.json``).
+
+    .venv/bin/python launch/gpu_check.py --out runs/gpu_check            # on a CUDA machine
+    .venv/bin/python launch/gpu_check.py --out /tmp/gpu_check --dry-run  # CPU: the same steps, tiny and fast
+
+Its parts, in this order, each in its own process with its own time limit (a part that fails or runs out of
+time is recorded and the next one runs; the JSON is written after every part, so a killed check keeps
+what it had):
+
+1. ``gpu_tests``: the ``gpu``-marked tests (``pytest -m gpu`` over the test files that have them); on a
+   CPU they skip, which the dry run shows.
+2. ``megatron_2rank``: ``launch/train_megatron.py --tp 2`` on two ranks, without Chameleon (metered) and with
+   it, compared by ``launch/compare_reports.py`` (bit-identical, within capacity, Stable reached).
+3. ``deepspeed_2rank``: ``launch/train_deepspeed.py`` on two ranks, ZeRO-2 (ZeRO-0 when the ranks share one GPU,
+   see below), without and with Chameleon, compared the same way.
+4. ``bench_gpu``: ``launch/bench_gpu.py``, time-boxed to what is left (at most 3 minutes).
+
+Two ranks on a machine with one GPU share it (``launch/cuda_ranks.py``): NCCL refuses that, so they use
+gloo, which moves CUDA tensors only by all-reduce and broadcast: tensor parallelism (no pipeline send) and
+ZeRO stage 0 (gradients all-reduced). With two GPUs or more, every rank has its own and NCCL.
+
+The dry run (``--dry-run``) runs the same parts on the CPU (emulated devices, 4 iterations, bench_gpu's own
+dry run); the test suite runs it. Its times mean nothing; its structure and bits do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from compare_reports import compare, stable_window  # noqa: E402
+from machine_info import header  # noqa: E402
+
+TAIL_CHARS = 4000
+BENCH_MAX_MINUTES = 3.0
+MEGATRON_CAPACITY = "8MB"  # the tp2 layout's tested capacity (tests/test_megatron_ranks.py)
+DEEPSPEED_CAPACITY = "9MiB"  # zero2's (tests/test_deepspeed_ranks.py)
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with ``gpu``-marked tests."""
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+                  if "pytest.mark.gpu" in p.read_text())
+
+
+def _run(command: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
+    """Run one command; its outcome (exit status, time, whether it timed out, the end of its output)."""
+    started = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(timeout_s, 1.0),
+                              env={**os.environ, **(env or {})})
+        code, output, timed_out = done.returncode, done.stdout + done.stderr, False
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"") + (exc.stderr or b"")
+        code, output, timed_out = None, out.decode(errors="replace") if isinstance(out, bytes) else out, True
+    return {"command": command, "returncode": code, "timed_out": timed_out,
+            "elapsed_s": round(time.monotonic() - started, 1), "output_tail": output[-TAIL_CHARS:]}
+
+
+def _junit_counts(path: Path) -> dict:
+    import xml.etree.ElementTree as ET
+
+    if not path.is_file():
+        return {}
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def part_gpu_tests(work: Path, timeout_s: float) -> dict:
+    xml = work / "gpu_tests.xml"
+    result = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                   f"--junitxml={xml}", *gpu_test_files()], timeout_s)
+    result["counts"] = _junit_counts(xml)
+    result["ok"] = result["returncode"] == 0
+    return result
+
+
+def _torchrun(script: str, argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / script), *argv]
+
+
+def _pair(work: Path, name: str, script: str, argv: list[str], capacity: str, timeout_s: float) -> dict:
+    """The job without Chameleon (metered, unlimited) and with it at ``capacity``, and their comparison."""
+    runs, reports = {}, {}
+    env = {"OMP_NUM_THREADS": "1"}
+    for variant, extra in (("off", ["--no-chameleon", "--chameleon-device-capacity", "4GB"]),
+                           ("on", ["--chameleon-device-capacity", capacity])):
+        report = work / f"{name}-{variant}.json"
+        runs[variant] = _run(_torchrun(script, [*argv, *extra, "--report", str(report)]), timeout_s / 2, env)
+        if report.is_file():
+            reports[variant] = json.loads(report.read_text())
+    result = {"runs": runs, "ok": False}
+    if len(reports) == 2:
+        compared = compare(reports["off"], reports["on"])
+        stages = [[it["stage"] for it in rank["iterations"]] for rank in reports["on"]["ranks"]]
+        result.update(comparison=compared, stages_per_rank=stages, stable_iterations=len(stable_window(reports["on"]["ranks"])),
+                      layout=reports["on"].get("layout"), ranks=[
+                          {k: rank.get(k) for k in ("rank", "peak_device_bytes", "capacity_bytes")} for rank in reports["on"]["ranks"]])
+        result["ok"] = bool(compared["bit_identical"]) and all(r["returncode"] == 0 for r in runs.values())
+    return result
+
+
+def _shared_gpu(dry_run: bool) -> bool:
+    """Whether the two ranks share one GPU (a one-GPU machine)."""
+    if dry_run:
+        return False
+    import torch
+
+    return torch.cuda.device_count() < 2
+
+
+def part_megatron(work: Path, timeout_s: float, iterations: int) -> dict:
+    argv = ["--tp", "2", "--iterations", str(iterations), "--chameleon-min-swap-bytes", "16KiB"]
+    return _pair(work, "megatron", "train_megatron.py", argv, MEGATRON_CAPACITY, timeout_s)
+
+
+def part_deepspeed(work: Path, timeout_s: float, iterations: int, shared_gpu: bool) -> dict:
+    config = json.loads((REPO / "configs" / "deepspeed" / "zero2.json").read_text())
+    if shared_gpu:  # gloo on CUDA tensors: all-reduce only (no reduce-scatter, no all-gather)
+        config["zero_optimization"] = {"stage": 0}
+    path = work / "deepspeed.json"
+    path.write_text(json.dumps(config))
+    argv = ["--deepspeed_config", str(path), "--iterations", str(iterations)]
+    result = _pair(work, "deepspeed", "train_deepspeed.py", argv, DEEPSPEED_CAPACITY, timeout_s)
+    result["zero_stage"] = config["zero_optimization"]["stage"]
+    return result
+
+
+def part_bench_gpu(work: Path, timeout_s: float, dry_run: bool) -> dict:
+    out = work / "bench_gpu.json"
+    minutes = max(min(BENCH_MAX_MINUTES, (timeout_s - 30) / 60), 0.5)
+    command = [sys.executable, str(HERE / "bench_gpu.py"), "--json", str(out), "--max-minutes", f"{minutes:.2f}",
+               *(["--dry-run"] if dry_run else [])]
+    result = _run(command, timeout_s)
+    result["results"] = json.loads(out.read_text()) if out.is_file() else None
+    result["ok"] = result["returncode"] == 0 and result["results"] is not None
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
+    parser.add_argument("--dry-run", action="store_true", help="the same parts on the CPU, tiny (the tests run it)")
+    parser.add_argument("--max-minutes", type=float, default=8.0, help="time box of the whole check")
+    parser.add_argument("--iterations", type=int, default=None, help="rank jobs' iterations (default 12; dry 4)")
+    parser.add_argument("--parts", default="gpu_tests,megatron_2rank,deepspeed_2rank,bench_gpu",
+                        help="comma-separated subset of the parts, in their order")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --dry-run to exercise the same steps on the CPU")
+    iterations = args.iterations or (4 if args.dry_run else 12)
+    shared_gpu = _shared_gpu(args.dry_run)
+    wanted = [p for p in args.parts.split(",") if p]
+    started = time.monotonic()
+    deadline = started + 60 * args.max_minutes
+    # each part's share of the time box, taken from what is left (bench_gpu gets the rest)
+    shares = {"gpu_tests": 0.25, "megatron_2rank": 0.2, "deepspeed_2rank": 0.2, "bench_gpu": 1.0}
+    unknown = sorted(set(wanted) - set(shares))
+    if unknown:
+        parser.error(f"unknown --parts {unknown}: choose from {', '.join(shares)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gpu_check.json"
+    results = {**header("gpu_check.py", sys.argv[1:] if argv is None else argv, torch), "dry_run": args.dry_run,
+               "emulated": args.dry_run, "cuda": _cuda_info(torch), "ranks_share_gpu": shared_gpu, "parts": {}}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        work = Path(tmp)
+        for name in (p for p in shares if p in wanted):
+            left_s = deadline - time.monotonic()
+            timeout_s = left_s * shares[name] if name != "bench_gpu" else left_s
+            print(f"[gpu_check] {name}: up to {timeout_s:.0f} s", flush=True)
+            if name == "gpu_tests":
+                part = part_gpu_tests(work, timeout_s)
+            elif name == "megatron_2rank":
+                part = part_megatron(work, timeout_s, iterations)
+            elif name == "deepspeed_2rank":
+                part = part_deepspeed(work, timeout_s, iterations, shared_gpu)
+            else:
+                part = part_bench_gpu(work, timeout_s, args.dry_run)
+            results["parts"][name] = part
+            print(f"[gpu_check] {name}: {'ok' if part['ok'] else 'FAILED'}", flush=True)
+            results["elapsed_s"] = round(time.monotonic() - started, 1)
+            results["ok"] = all(p["ok"] for p in results["parts"].values())
+            path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"[gpu_check] {'all parts ok' if results['ok'] else 'some parts FAILED'} in {results['elapsed_s']:.0f} s; "
+          f"results in {path}")
+    return 0 if results["ok"] else 1
+
+
+def _cuda_info(torch) -> dict:
+    if not torch.cuda.is_available():
+        return {"available": False, "build": torch.version.cuda}
+    props = torch.cuda.get_device_properties(0)
+    return {"available": True, "build": torch.version.cuda, "devices": torch.cuda.device_count(), "name": props.name,
+            "total_memory_bytes": props.total_memory}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
