@@ -114,7 +114,7 @@ def test_input_changed_in_place_after_the_save_raises():
         device.track(h)
         y = torch.nn.functional.gelu(h)
         log.note(torch.ops.aten.gelu.default, (h,), {}, y)
-        recipe = log.recipe_for(y.untyped_storage(), executor._pack_input)
+        recipe = log.recipe_for(y, executor._pack_input)
         assert recipe is not None
         h.add_(1.0)  # after the save
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -136,6 +136,6 @@ def test_a_producer_whose_result_object_died_is_still_found():
     view = torch.ops.aten._unsafe_view.default(out, [64])
     log.note(torch.ops.aten._unsafe_view.default, (out, [64]), {}, view)
     del out
-    recipe = log.recipe_for(view.untyped_storage(), executor._pack_input)
+    recipe = log.recipe_for(view, executor._pack_input)
     assert recipe is not None
     assert torch.equal(recipe.run(executor._unpack_quietly), byte_view(view.untyped_storage()))

@@ -11,6 +11,7 @@ recomputed), so that backward gets the inputs back the way it gets any saved ten
 from __future__ import annotations
 
 import collections
+import logging
 import weakref
 from typing import Any, Callable
 
@@ -18,16 +19,26 @@ import torch
 
 from chameleon_dist.device.base import byte_view
 from chameleon_dist.device.meter import storage_key
-from chameleon_dist.policy.candidates import exactly_recomputable
+from chameleon_dist.trace.exactness import ReplayJudge
+from chameleon_dist.trace.writes import WrittenTensors
+
+logger = logging.getLogger(__name__)
 
 # NOTE [Per-tensor recompute]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# The generator marks a saved storage exactly recomputable when its producer is deterministic (no random
-# numbers, no atomics-based kernel), writes nothing in place, and every input is a parameter or a storage
-# that is still there (or restorable: saved for backward itself) when backward needs the output. The
-# executor checks the same at run time: the producer must be one of the last ``RING_OPS`` forward ops, must
-# have created the storage (not a view or an in-place op on one of its inputs), and must pass
-# ``exactly_recomputable`` by name. Its tensor inputs are packed like saved tensors (``KeptTensor`` or the
+# The generator marks a saved storage exactly recomputable when its producer replays bit for bit with the
+# arguments it ran with (trace/exactness.py: aten, no random numbers, no atomics-based kernel, no
+# uninitialised memory, nothing written in place), nothing wrote the storage after, and every input is a
+# parameter or a storage that is still there (or restorable: saved for backward itself) when backward needs
+# the output. The executor checks the same at run time, on what it sees then: the producer must be one of
+# the last ``RING_OPS`` forward ops, must have created the storage (not a view or an in-place op on one of
+# its inputs), must replay exactly with its recorded arguments (the same judge), and neither the storage
+# nor any input may have been written since the producer ran: no logged op wrote it, and its version
+# counter is where it was (a write the dispatch modes did not see, e.g. a kernel called with them off,
+# still moves it). A tensor a custom autograd Function returned is never rebuilt from the aten op that
+# allocated it: the Function's kernels may have written it outside the dispatcher. Such a kernel that
+# writes an aten op's result without moving its version counter cannot be seen at all (README, "Limits").
+# Its tensor inputs are packed like saved tensors (``KeptTensor`` or the
 # ``SwappedTensor`` of the entry that swaps or recomputes their storage), so an input changed in place
 # after the save raises as autograd would, and a swapped input comes back first. The rebuild runs the same
 # aten op under ``no_grad`` with autocast off (the op was recorded after autocast chose its dtypes), and the
@@ -45,11 +56,12 @@ class _Weak:
     weight's transpose, a reshape) dies right after the op while its storage lives on, held by a saved
     tensor or a parameter, so the recipe can re-view that storage."""
 
-    __slots__ = ("ref", "key", "dtype", "size", "stride", "offset", "holder")
+    __slots__ = ("ref", "key", "version", "dtype", "size", "stride", "offset", "holder")
 
     def __init__(self, tensor: torch.Tensor, holder: Any) -> None:
         self.ref = weakref.ref(tensor)
         self.key = storage_key(tensor.untyped_storage())
+        self.version = tensor._version  # when the op ran: a later write moves it
         self.dtype, self.size, self.stride, self.offset = tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
         self.holder = holder  # what else holds this storage, found while it is alive (a saved tensor, a parameter)
 
@@ -117,11 +129,12 @@ class _Output:
     """A tensor result of a logged op, as it was: its storage and layout. The result object itself often
     dies right away (``mm`` inside ``matmul`` returns through ``_unsafe_view``) while its storage lives on."""
 
-    __slots__ = ("key", "dtype", "size", "stride", "offset", "nbytes")
+    __slots__ = ("key", "version", "dtype", "size", "stride", "offset", "nbytes")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         self.key, self.nbytes = storage_key(storage), storage.nbytes()
+        self.version = tensor._version  # at its creation
         self.dtype, self.size, self.stride, self.offset = tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
 
 
@@ -136,11 +149,14 @@ class _Packed:
 
 
 class ProducerLog:
-    """The last ``RING_OPS`` forward ops, every tensor held weakly (see the module docstring)."""
+    """The last ``RING_OPS`` forward ops, every tensor held weakly (see the module docstring), each with the
+    storages it wrote in place."""
 
     def __init__(self, holder_of: Callable[[torch.Tensor], Any], size: int = RING_OPS) -> None:
         self._ops: collections.deque = collections.deque(maxlen=size)
         self._holder_of = holder_of  # a live tensor's storage -> what else holds it (None: nothing known)
+        self._replays_exactly = ReplayJudge()
+        self._written = WrittenTensors()
 
     def clear(self) -> None:
         self._ops.clear()
@@ -148,32 +164,38 @@ class ProducerLog:
     def note(self, func, args, kwargs, out) -> None:
         outputs = out if type(out) is tuple or type(out) is list else (out,)
         holder_of = self._holder_of
+        written = frozenset(storage_key(t.untyped_storage()) for t in self._written.of(func, args, kwargs))
         self._ops.append((func, _weak(tuple(args), holder_of), {k: _weak(v, holder_of) for k, v in (kwargs or {}).items()},
                           tuple(_Output(o) if isinstance(o, torch.Tensor) else None for o in outputs),
-                          type(out) is tuple or type(out) is list))
+                          type(out) is tuple or type(out) is list, written))
 
-    def recipe_for(self, storage: torch.UntypedStorage, pack: Callable[[torch.Tensor], Any]) -> Recipe | None:
-        """A recipe for ``storage`` from the op that created it, each tensor input packed with ``pack`` or,
-        when the argument object died (a temporary view), taken from what held its storage when the op ran
-        (a saved tensor's packed form, a parameter); None when that op is not in the log, is not exactly
-        recomputable, or an input can be found neither way."""
+    def recipe_for(self, tensor: torch.Tensor, pack: Callable[[torch.Tensor], Any]) -> Recipe | None:
+        """A recipe for ``tensor``'s storage from the op that created it, each tensor input packed with
+        ``pack`` or, when the argument object died (a temporary view), taken from what held its storage when
+        the op ran (a saved tensor's packed form, a parameter); None when that op is not in the log, would
+        not replay exactly, the storage or an input was written since it ran, or an input can be found
+        neither way (NOTE [Per-tensor recompute])."""
+        storage = tensor.untyped_storage()
         key = storage_key(storage)
-        for func, args, kwargs, outputs, several in reversed(self._ops):
+        later_writes: set[int] = set()  # storages the ops after the one looked at wrote
+        for func, args, kwargs, outputs, several, written in reversed(self._ops):
             index = next((i for i, o in enumerate(outputs) if o is not None and o.key == key), None)
-            if index is None:
+            if index is None or outputs[index].nbytes != storage.nbytes():  # (another storage had the address)
+                later_writes |= written
                 continue
             output = outputs[index]
-            if output.nbytes != storage.nbytes():
-                continue  # (another storage that had this address earlier)
             weak_inputs = [w for v in (*args, *kwargs.values()) for w in _weak_items(v)]
             if any(w.key == key for w in weak_inputs):
+                later_writes |= written
                 continue  # a view of, or a write to, one of its inputs: the creator came earlier
-            if not exactly_recomputable(str(func), getattr(func, "_schema", None)):
+            refusal = _refusal(func, args, kwargs, tensor, output, weak_inputs, later_writes, self._replays_exactly)
+            if refusal is not None:
+                logger.debug("not recomputing a %s from %s: %s", tuple(tensor.shape), func, refusal)
                 return None
             packed_inputs = {}
             for w in weak_inputs:
-                tensor = w.ref()
-                packed = pack(tensor) if tensor is not None else w.holder
+                alive = w.ref()
+                packed = pack(alive) if alive is not None else w.holder
                 if packed is None:
                     return None  # an input is gone: cannot rebuild
                 packed_inputs[id(w)] = _Packed(packed, w)
@@ -188,6 +210,22 @@ class ProducerLog:
             return Recipe(func, packed(args), {k: packed(v) for k, v in kwargs.items()},
                           index if several else None, output)
         return None
+
+
+def _refusal(func, args, kwargs, tensor: torch.Tensor, output: _Output, weak_inputs: list[_Weak],
+             later_writes: set[int], replays_exactly: ReplayJudge) -> str | None:
+    """Why ``tensor``'s creator ``func`` cannot rebuild it (None: it can)."""
+    if not replays_exactly(func, args, kwargs):
+        return "it would not replay bit for bit (trace/exactness.py)"
+    if isinstance(tensor.grad_fn, torch.autograd.function.BackwardCFunction):
+        return "a custom autograd Function returned it (its kernels may have written it unseen)"
+    if output.key in later_writes or tensor._version != output.version:
+        return "it was written in place after its creation"
+    for w in weak_inputs:
+        alive = w.ref()
+        if w.key in later_writes or (alive is not None and alive._version != w.version):
+            return "an input was written in place after the op ran"
+    return None
 
 
 def _weak_items(value: Any) -> list[_Weak]:

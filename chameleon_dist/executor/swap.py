@@ -401,7 +401,7 @@ class SwapExecutor:
         """An entry that leaves the device with no copy and is rebuilt when backward needs it (NOTE
         [Per-tensor recompute] in recompute.py); None (kept, counted) when it cannot be rebuilt exactly."""
         storage = tensor.untyped_storage()
-        recipe = self._producers.recipe_for(storage, self._pack_input)
+        recipe = self._producers.recipe_for(tensor, self._pack_input)
         if recipe is None:
             self.counters.recompute_unavailable += 1
             return None

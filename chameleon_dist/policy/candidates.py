@@ -17,14 +17,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+from chameleon_dist.trace.exactness import Replay, name_replays_exactly, op_named, schema_verdict
 from chameleon_dist.trace.step_trace import BACKWARD, FORWARD, StepTrace
-
-# ops whose result depends on random state or on the order of atomic updates; recomputing them is not exact
-_INEXACT_MARKERS = (
-    "dropout", "rand", "bernoulli", "normal", "uniform", "multinomial", "exponential", "cauchy",
-    "geometric", "log_normal", "scatter", "index_add", "index_put", "embedding_dense_backward",
-)
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reduction:
@@ -102,19 +96,20 @@ def find_candidates(trace: StepTrace, min_swap_bytes: int = 0) -> list[Candidate
 
 
 def _mark_exact_recompute(trace: StepTrace, candidates: list[Candidate]) -> None:
-    """Recompute is exact (NOTE [Per-tensor recompute] in executor/recompute.py) when the producer op is
-    deterministic and writes nothing in place, the storage is one of its outputs and was not written after,
-    and every input is a parameter, a storage alive until the candidate's first backward use, or a saved
-    storage (a candidate itself) that backward needs no earlier: one the executor brings back, kept, swapped
-    or recomputed, when it rebuilds this one."""
+    """Recompute is exact (NOTE [Per-tensor recompute] in executor/recompute.py) when the producer op
+    replays bit for bit with the arguments it ran with (``op_replays_exactly``), the storage is one of its
+    outputs and was not written after, and every input is a parameter, a storage alive until the
+    candidate's first backward use, or a saved storage (a candidate itself) that backward needs no earlier:
+    one the executor brings back, kept, swapped or recomputed, when it rebuilds this one."""
     by_storage = {c.storage_id: c for c in candidates}
     written = set()  # storages some op modified in place (recomputing their producer would miss that)
     for op in trace.ops:
-        if _is_inplace(trace.op_names[op.name_id]):
+        if _writes(trace.op_names[op.name_id]):
             written.update(trace.tensors[t].storage_id for t in op.outputs)
+    inexact = None if trace.inexact_ops is None else frozenset(trace.inexact_ops)
     for c in candidates:
         op = trace.ops[c.created_at]
-        if not exactly_recomputable(trace.op_names[op.name_id]) or c.storage_id in written:
+        if not op_replays_exactly(trace, c.created_at, inexact) or c.storage_id in written:
             continue
         if c.storage_id not in {trace.tensors[t].storage_id for t in op.outputs}:
             continue
@@ -135,16 +130,26 @@ def _mark_exact_recompute(trace: StepTrace, candidates: list[Candidate]) -> None
         c.recompute_inputs = tuple(dict.fromkeys(inputs))
 
 
-def exactly_recomputable(op_name: str, schema=None) -> bool:
-    """Whether re-running the op ``op_name`` ("aten.gelu.default") on the same inputs gives the same bytes:
-    no random numbers, no atomics-based kernels, no in-place or ``out=`` writes (``schema``, when given, is
-    the op's ``torch.FunctionSchema``; a mutable one is refused)."""
-    if any(marker in op_name for marker in _INEXACT_MARKERS) or _is_inplace(op_name):
-        return False
-    return schema is None or not schema.is_mutable
+def op_replays_exactly(trace: StepTrace, op_index: int, inexact: frozenset[int] | None = None) -> bool:
+    """Whether the trace's op ``op_index`` would give the same bytes run again (trace/exactness.py): as the
+    recorder judged it with its arguments (``trace.inexact_ops``; ``inexact``: the same as a set), and
+    refused in any case when its schema alone refuses it; a trace that recorded no judgement is judged by
+    the op's schema alone (an op whose verdict depends on its arguments is refused then)."""
+    name = trace.op_names[trace.ops[op_index].name_id]
+    if trace.inexact_ops is None:
+        return name_replays_exactly(name)
+    if inexact is None:
+        inexact = frozenset(trace.inexact_ops)
+    func = op_named(name)
+    return func is not None and schema_verdict(func) is not Replay.REFUSED and op_index not in inexact
 
 
-def _is_inplace(op_name: str) -> bool:
+def _writes(op_name: str) -> bool:
+    """The op writes in place: its schema is mutable (an in-place op, ``out=``); by its name ("add_",
+    ".out") when the name resolves to no op."""
+    func = op_named(op_name)
+    if func is not None:
+        return func._schema.is_mutable
     parts = op_name.split(".")
     base = parts[1] if len(parts) > 1 else parts[0]
     return base.endswith("_") or (len(parts) > 2 and parts[2] == "out")

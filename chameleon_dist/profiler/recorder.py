@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from chameleon_dist.device.base import DeviceTimer, HostTimer
 from chameleon_dist.profiler.scope import LayerTimes, MicroBatchClock, TrainingScope, is_layer_path, layer_of
 from chameleon_dist.profiler.signature import OpListener, OpVocabulary
+from chameleon_dist.trace.exactness import ReplayJudge
 from chameleon_dist.trace.writes import WrittenTensors
 from chameleon_dist.trace.step_trace import (
     BACKWARD,
@@ -63,6 +64,8 @@ class TraceRecorder(TorchDispatchMode):
         self.swaps: list[SwapRecord] = []
         self.saves: list[tuple[int, int]] = []
         self.save_sites: list[str] = []
+        self.inexact_ops: list[int] = []  # forward ops that would not replay bit for bit (trace/exactness.py)
+        self._replays_exactly = ReplayJudge()
         self.module_paths: list[str] = []
         self.optimizer_active = False
         self.on_write: Callable[[list[torch.Tensor]], None] | None = None  # hears of in-place writes
@@ -100,6 +103,7 @@ class TraceRecorder(TorchDispatchMode):
         self._swap_base += len(self.swaps)
         self.ops, self.tensors, self.storages, self.swaps, self.saves = [], [], [], [], []
         self.save_sites = []
+        self.inexact_ops = []
         self._module_stack.clear()
         self.layer_times.reset()
         self._micro_batch = 0
@@ -192,6 +196,8 @@ class TraceRecorder(TorchDispatchMode):
         self._scan((out,), outputs, True)
         phase = self._phase()
         if phase is FORWARD:
+            if not self._replays_exactly(func, args, kwargs):
+                self.inexact_ops.append(len(self.ops))
             if self._last_phase is BACKWARD:
                 self._micro_batch += 1
             self._last_phase = FORWARD
@@ -311,5 +317,6 @@ class TraceRecorder(TorchDispatchMode):
             layer_backward_times_s=backward_s,
             saves=self.saves,
             save_sites=self.save_sites,
+            inexact_ops=self.inexact_ops,
             emulated=self.emulated,
         )

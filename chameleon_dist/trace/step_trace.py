@@ -87,6 +87,10 @@ class StepTrace:
     # where each save happened, as the swap executor names it ("" when unknown; parallel to ``saves``).
     # See NOTE [Save-site matching] in executor/matching.py
     save_sites: list[str] = dataclasses.field(default_factory=list)
+    # indices of the forward ops that would not replay bit for bit with the arguments they ran with (the
+    # recorder asks trace/exactness.py); None: not recorded (a hand-built trace or one written before this
+    # field), and then an op is exact only when its schema alone says so. An addition older readers ignore
+    inexact_ops: list[int] | None = None
     emulated: bool = True
     schema_version: int = SCHEMA_VERSION
 
@@ -173,6 +177,7 @@ class StepTrace:
             "layer_backward_times_s": {str(k): v for k, v in self.layer_backward_times_s.items()},
             "saves": [list(save) for save in self.saves],
             "save_sites": list(self.save_sites),
+            "inexact_ops": None if self.inexact_ops is None else list(self.inexact_ops),
             "ops": [dataclasses.astuple(op) for op in self.ops],
             "tensors": [dataclasses.astuple(t) for t in self.tensors],
             "storages": [dataclasses.astuple(s) for s in self.storages],
@@ -200,6 +205,7 @@ class StepTrace:
             layer_backward_times_s={int(k): v for k, v in data.get("layer_backward_times_s", {}).items()},
             saves=[(int(t), int(i)) for t, i in data.get("saves", [])],
             save_sites=[str(site) for site in data.get("save_sites", [])],
+            inexact_ops=None if data.get("inexact_ops") is None else [int(i) for i in data["inexact_ops"]],
             emulated=data["emulated"],
         )
 
