@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 # counter is where it was (a write the dispatch modes did not see, e.g. a kernel called with them off,
 # still moves it). A tensor a custom autograd Function returned is never rebuilt from the aten op that
 # allocated it: the Function's kernels may have written it outside the dispatcher. Such a kernel that
-# writes an aten op's result without moving its version counter cannot be seen at all (README, "Limits").
+# writes an aten op's result without moving its version counter cannot be seen at all (README, "What a
+# policy does").
 # Its tensor inputs are packed like saved tensors (``KeptTensor`` or the
 # ``SwappedTensor`` of the entry that swaps or recomputes their storage), so an input changed in place
 # after the save raises as autograd would, and a swapped input comes back first. The rebuild runs the same
