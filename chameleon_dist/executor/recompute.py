@@ -52,6 +52,9 @@ RING_OPS = 8
 usually within a few ops (views and a weight transpose come between)."""
 
 
+_NO_WRITES: frozenset[int] = frozenset()
+
+
 class _Weak:
     """A tensor argument held weakly in the producer log, with where its bytes are: a temporary view (a
     weight's transpose, a reshape) dies right after the op while its storage lives on, held by a saved
@@ -165,7 +168,8 @@ class ProducerLog:
     def note(self, func, args, kwargs, out) -> None:
         outputs = out if type(out) is tuple or type(out) is list else (out,)
         holder_of = self._holder_of
-        written = frozenset(storage_key(t.untyped_storage()) for t in self._written.of(func, args, kwargs))
+        writes = self._written.of(func, args, kwargs)  # (pure ops: one dictionary lookup)
+        written = frozenset(storage_key(t.untyped_storage()) for t in writes) if writes else _NO_WRITES
         self._ops.append((func, _weak(tuple(args), holder_of), {k: _weak(v, holder_of) for k, v in (kwargs or {}).items()},
                           tuple(_Output(o) if isinstance(o, torch.Tensor) else None for o in outputs),
                           type(out) is tuple or type(out) is list, written))
