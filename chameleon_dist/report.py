@@ -75,6 +75,7 @@ class IterationReport:
     error: str = ""  # the exception's type and first line, for a failed iteration
     evicted_prefetches: int = 0  # prefetched swap-ins given back under memory pressure (fetched again on use)
     rank: str = ""  # the rank's coordinates in a distributed job (``RankCoordinates.label``); "" alone
+    host_memory_budget_bytes: int | None = None  # this rank's host budget (a share of the node's RAM); None: unbounded
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

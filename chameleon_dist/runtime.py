@@ -28,6 +28,7 @@ from torch import nn
 
 from chameleon_dist.config import ChameleonConfig, ConfigError, load_config, physical_memory_bytes
 from chameleon_dist.config.checks import model_fit_problem, runtime_problems
+from chameleon_dist.config.node import HostShare
 from chameleon_dist.device.base import Device, module_device_bytes
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
@@ -166,13 +167,27 @@ class Chameleon:
         self.last_report: IterationReport | None = None
         self._warned_unknown_parameters = False  # run_iteration retried without knowing every parameter
         self.device.set_pressure_handler(self.executor.relieve_pressure if self.config.enabled else None)
+        host_share = self._host_share()
         logger.info(
-            "chameleon %s on %s (memory budget %s, min_swap_bytes %s)",
+            "chameleon %s on %s (memory budget %s, min_swap_bytes %s, %s)",
             "enabled" if self.config.enabled else "disabled (measuring only)",
             self.device.name,
             format_bytes(self.memory_budget_bytes),
             format_bytes(self.config.min_swap_bytes),
+            host_share.describe(),
         )
+        node_problem = host_share.node_problem()
+        if node_problem is not None and self.config.enabled:
+            logger.warning("%s", node_problem)
+
+    def _host_share(self) -> HostShare:
+        """This rank's host budget and its source: the config's share of the node, or the passed device's own
+        byte budget (per rank)."""
+        share = self.config.host_share()
+        budget_bytes = self.device.host_pool.budget_bytes
+        if budget_bytes is not None and budget_bytes != share.per_rank_bytes:
+            share = dataclasses.replace(share, budget=budget_bytes)
+        return share
 
     @property
     def stage(self) -> Stage:
@@ -450,6 +465,7 @@ class Chameleon:
             prefetched=counters.prefetched,
             kept_on_device_bytes=counters.kept_on_device_bytes,
             host_pool_bytes=self.device.host_pool.reserved_bytes,
+            host_memory_budget_bytes=self.device.host_pool.budget_bytes,
             stall_s=self.device.stall_s() - running.stall_start_s,
             policy_version=self.controller.version_of(policy),
             passive_swaps=counters.passive_swaps,

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from chameleon_dist.config import numbers, sizes
 from chameleon_dist.config.checks import SMALL_BUDGET_MAX, budget_over_total_problem, small_budget_problem
 from chameleon_dist.config.errors import CUSTOM_ERROR, ConfigError
+from chameleon_dist.config.node import HostShare, local_world_size
 
 if TYPE_CHECKING:
     import argparse
@@ -287,7 +288,10 @@ class ChameleonConfig(_Section):
         json_schema_extra=_hint("use true or false"),
     )
     memory_budget: DeviceBudget = Field("auto", description='Device memory to stay under; "auto" = 90% of capacity.')
-    host_memory_budget: HostBudget = Field("auto", description='Host memory for swapped tensors; "auto" = 50% of RAM.')
+    host_memory_budget: HostBudget = Field(
+        "auto", description='Host memory for swapped tensors, per rank; "auto" = 50% of the node\'s RAM and a fraction '
+        "a share of it, both divided among the node's ranks (LOCAL_WORLD_SIZE); bytes: per rank as written.",
+    )
     min_swap_bytes: SizeBytes = Field(2**20, description="Tensors smaller than this are never swapped.")
     profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
@@ -316,18 +320,24 @@ class ChameleonConfig(_Section):
         """The device budget in bytes for a device of ``capacity_bytes``."""
         return sizes.resolve_budget_bytes(self.memory_budget, capacity_bytes, AUTO_DEVICE_FRACTION)
 
-    def host_memory_budget_bytes(self, host_total_bytes: int | None = None) -> int | None:
-        """The host budget in bytes; fractions and "auto" are of ``host_total_bytes`` (default: this
-        machine's physical RAM). None when they are needed and the RAM cannot be read."""
-        if isinstance(self.host_memory_budget, int):
-            return self.host_memory_budget
+    def host_memory_budget_bytes(self, host_total_bytes: int | None = None, local_ranks: int | None = None) -> int | None:
+        """This rank's host budget in bytes (``host_share``). None when a share of the RAM is asked and the
+        RAM cannot be read."""
+        share = self.host_share(host_total_bytes, local_ranks)
+        if share.per_rank_bytes is None:
+            logger.warning("cannot read the host's RAM size: host_memory_budget %r is not enforced",
+                           self.host_memory_budget)
+        return share.per_rank_bytes
+
+    def host_share(self, host_total_bytes: int | None = None, local_ranks: int | None = None) -> HostShare:
+        """``host_memory_budget`` for one rank: "auto" and fractions are of ``host_total_bytes`` (default: this
+        node's physical RAM) divided among ``local_ranks`` (default: ``LOCAL_WORLD_SIZE``, else 1); a byte
+        budget is per rank as written (see ``config/node.py``)."""
+        if local_ranks is None:
+            local_ranks = local_world_size()
         if host_total_bytes is None:
-            host_total_bytes = physical_memory_bytes()
-            if host_total_bytes is None:
-                logger.warning("cannot read the host's RAM size: host_memory_budget %r is not enforced",
-                               self.host_memory_budget)
-                return None
-        return sizes.resolve_budget_bytes(self.host_memory_budget, host_total_bytes, AUTO_HOST_FRACTION)
+            host_total_bytes = physical_memory_bytes()  # (for a byte budget: the node-wide warning only)
+        return HostShare(self.host_memory_budget, host_total_bytes, local_ranks, AUTO_HOST_FRACTION)
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: Any) -> "ChameleonConfig":

@@ -128,17 +128,18 @@ def is_bare_integer(value: object) -> bool:
     return isinstance(value, str) and value.strip().lstrip("+").isdigit()
 
 
-def resolve_budget_bytes(budget: Budget, total_bytes: int, auto_fraction: float) -> int:
-    """Bytes for ``budget`` against ``total_bytes`` (``"auto"`` is ``auto_fraction`` of it).
+def resolve_budget_bytes(budget: Budget, total_bytes: int, auto_fraction: float, shares: int = 1) -> int:
+    """Bytes for ``budget`` against ``total_bytes`` (``"auto"`` is ``auto_fraction`` of it), a fraction
+    divided among ``shares`` users of the same total (a byte budget is taken as it is).
 
     Fractions are applied exactly as written (0.7 of 100 bytes is 70, not 69) and rounded down.
     """
     if budget == AUTO:
         budget = auto_fraction
     if isinstance(budget, float):
-        if total_bytes < 0:
-            raise ValueError(f"total_bytes must be >= 0, got {total_bytes}")
-        return math.floor(Fraction(repr(budget)) * total_bytes)
+        if total_bytes < 0 or shares < 1:
+            raise ValueError(f"total_bytes must be >= 0 and shares >= 1, got {total_bytes} and {shares}")
+        return math.floor(Fraction(repr(budget)) * total_bytes / shares)
     return int(budget)
 
 
