@@ -8,9 +8,12 @@ Importing this module makes no CUDA call; everything that touches CUDA runs insi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import mmap
+import os
 import weakref
+from collections.abc import Mapping
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -22,6 +25,7 @@ from chameleon_dist.units import format_bytes
 logger = logging.getLogger(__name__)
 
 _CUDA_HOST_REGISTER_PORTABLE = 1
+LOCAL_RANK_ENV = "LOCAL_RANK"
 
 
 def _unregister_host_memory(address: int) -> None:
@@ -75,6 +79,34 @@ class PinnedHostAllocator:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def resolve_device_index(device_index: int | None, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """The rank's GPU before any model is attached, and where it came from: ``device_index`` when given,
+    else ``LOCAL_RANK`` (torchrun and the deepspeed launcher set it) when it names a visible device, else the
+    current device. Nothing is created on a device here: a rank that has not called ``set_device`` yet binds
+    to its own GPU, not to cuda:0. ``CudaDevice.track_module`` checks the attached model against it.
+
+    Raises:
+        ValueError: an explicit index out of range.
+    """
+    count = torch.cuda.device_count()
+    if device_index is not None:
+        index = int(device_index)
+        if not 0 <= index < count:
+            raise ValueError(f"CUDA device index {index} is out of range: {count} device(s) visible")
+        return index, f"device_index={index}"
+    local_rank = (os.environ if environ is None else environ).get(LOCAL_RANK_ENV, "").strip()
+    if local_rank.isdigit() and int(local_rank) < count:
+        return int(local_rank), f"{LOCAL_RANK_ENV}={local_rank}"
+    if local_rank:  # e.g. one visible GPU per process (CUDA_VISIBLE_DEVICES): the launcher bound it already
+        logger.debug("%s=%s names no visible CUDA device (%d visible): using the current device",
+                     LOCAL_RANK_ENV, local_rank, count)
+    return int(torch.cuda.current_device()), "the current device (torch.cuda.current_device())"
+
+
+class CudaDeviceMismatchError(ValueError):
+    """The attached model lives on another GPU than the one the runtime was built for."""
+
+
 class CudaBackend:
     """The CUDA backend of ``StreamDevice`` (NOTE [One device code path] in ``device/backend.py``): real
     streams and events, the caching allocator, exact-size pinned host buffers."""
@@ -89,10 +121,7 @@ class CudaBackend:
                 "set `device.kind: emulated` (with a `device.capacity`) in the chameleon config to run "
                 "on the CPU with an emulated device"
             )
-        count = torch.cuda.device_count()
-        index = torch.cuda.current_device() if device_index is None else int(device_index)
-        if not 0 <= index < count:
-            raise ValueError(f"CUDA device index {index} is out of range: {count} device(s) visible")
+        index, self.index_source = resolve_device_index(device_index)
         self.index = index
         self.torch_device = torch.device("cuda", index)
         properties = torch.cuda.get_device_properties(index)
@@ -100,7 +129,7 @@ class CudaBackend:
         # free + reserved by this process - a measured reserve (NOTE [The budget compares memory_allocated])
         self.capacity_reading = cuda_memory.usable_capacity_bytes(index, configured_capacity_bytes=capacity_bytes)
         self.capacity_bytes = self.capacity_reading.capacity_bytes
-        logger.info("%s", self.capacity_reading.describe())
+        logger.info("%s (cuda:%d from %s)", self.capacity_reading.describe(), index, self.index_source)
         self.capacity_enforced = bool(enforce_capacity)
         if self.capacity_enforced:
             cuda_memory.enforce_capacity(index, self.capacity_bytes)
@@ -189,7 +218,8 @@ class CudaBackend:
 
 
 class CudaDevice(StreamDevice):
-    """A CUDA device (``device_index``, default the current one) seen through the ``Device`` protocol:
+    """A CUDA device (``device_index``; default ``LOCAL_RANK``, else the current device: ``resolve_device_index``;
+    the attached model must live on it) seen through the ``Device`` protocol:
     ``StreamDevice`` over ``CudaBackend``. ``capacity_bytes`` defaults to the device's total memory; it is
     what the policy plans against. ``d2h_bytes_per_s`` / ``h2d_bytes_per_s`` are the host link's rates as the
     caller knows them (the config's); ``None``, the default, means unknown."""
@@ -200,6 +230,27 @@ class CudaDevice(StreamDevice):
         backend = CudaBackend(capacity_bytes, device_index, enforce_capacity)
         super().__init__(backend, host_memory_budget_bytes, d2h_bytes_per_s=d2h_bytes_per_s,
                          h2d_bytes_per_s=h2d_bytes_per_s)
+
+    def track_module(self, module) -> None:
+        """Check that ``module`` lives on this runtime's GPU, then count it (``StreamDevice.track_module``).
+
+        Raises:
+            CudaDeviceMismatchError: the model's CUDA parameters and buffers are all on other GPUs (the
+                runtime would swap none of its tensors and report another GPU's memory), naming both.
+        """
+        model_indices = sorted({tensor.device.index for tensor in itertools.chain(module.parameters(), module.buffers())
+                                if tensor.device.type == "cuda"})
+        if model_indices and self.index not in model_indices:
+            model = ", ".join(f"cuda:{index}" for index in model_indices)
+            first = model_indices[0]
+            raise CudaDeviceMismatchError(
+                f"the parameters of {type(module).__name__} are on {model}, but this Chameleon runtime was built "
+                f"for cuda:{self.index} (from {self.backend.index_source}): move the model to cuda:{self.index}, "
+                f"or build the runtime for cuda:{first} (launch with {LOCAL_RANK_ENV}={first}, call "
+                f"torch.cuda.set_device({first}) before Chameleon(...), or pass "
+                f"Chameleon(device=CudaDevice(device_index={first})))"
+            )
+        super().track_module(module)
 
     # (the backend's, read through: one copy of each)
     @property
