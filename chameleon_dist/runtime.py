@@ -292,6 +292,9 @@ class Chameleon:
             **self._measured_fields(running),
         )
         logger.debug("%s", self.last_report)
+        if stage == Stage.WARMUP and self.config.enabled and counters.swap_out_bytes:
+            # once, outside the save path: page-locked host memory for what WarmUp swapped (host_pool.py)
+            self.device.host_pool.reserve_arena(counters.swap_out_bytes)
 
     def _device_seconds(self, running: _Running) -> float:
         """The iteration's device time: from a mark at its start to one at its end on the compute stream

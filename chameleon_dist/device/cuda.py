@@ -13,12 +13,13 @@ import logging
 import mmap
 import os
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from chameleon_dist.device import cuda_memory
+from chameleon_dist.device.host_arena import HostArena
 from chameleon_dist.device.stream_device import StreamDevice
 from chameleon_dist.units import format_bytes
 
@@ -45,38 +46,88 @@ class PinnedHostAllocator:
     lifetime, so the pool's byte budget would not bound real host memory. Instead each buffer is its own
     anonymous ``mmap`` (page-aligned, pages shared with nothing else) registered with
     ``cudaHostRegister`` and unregistered when its storage dies (the pattern of PyTorch's own checkpoint
-    stager). If registration fails (e.g. a memlock limit), it warns once and falls back to
-    ``torch.empty(n, pin_memory=True)``."""
+    stager), or, once ``reserve_arena`` was called, a slice of one region registered once
+    (``device/host_arena.py``: no page-locking in the save path when sizes change).
 
-    def __init__(self) -> None:
+    NOTE [A failed cudaHostRegister]
+    A failed ``cudaHostRegister`` (a memlock limit, no pinnable memory left) also sets the CUDA runtime's
+    last error for this thread, and the next kernel launched on it would raise that stale error
+    (PyTorch checks ``cudaGetLastError`` after every launch). ``_clear_last_error`` reads it back at once;
+    then the allocator warns once and hands out pageable host memory from then on (copies from it are
+    synchronous: slower, never wrong). ``page_locks`` counts every ``cudaHostRegister`` call."""
+
+    def __init__(self, torch_device_of: Callable[[], torch.device]) -> None:
+        self._torch_device_of = torch_device_of
         self.registered_buffers = 0
         self.fallback_buffers = 0
+        self.page_locks = 0
+        self.pinning_failed = False
 
     def __call__(self, nbytes: int) -> torch.Tensor:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        if self.fallback_buffers:
+        if self.pinning_failed:
             return self._fallback(nbytes)
-        region_bytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        buffer = torch.frombuffer(mmap.mmap(-1, region_bytes), dtype=torch.uint8, count=nbytes)
-        address = buffer.data_ptr()
-        error = int(torch.cuda.cudart().cudaHostRegister(address, region_bytes, _CUDA_HOST_REGISTER_PORTABLE))
-        if error != 0:
-            logger.warning(
-                "cudaHostRegister of %s failed (cudaError %d, a memlock limit?): using PyTorch's pinned "
-                "allocator, which rounds host buffers up to powers of two",
-                format_bytes(region_bytes),
-                error,
-            )
+        region, address = self._registered_region(nbytes)
+        if region is None:
             return self._fallback(nbytes)
-        finalizer = weakref.finalize(buffer.untyped_storage(), _unregister_host_memory, address)
-        finalizer.atexit = False  # never call into CUDA after its context is gone
+        buffer = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
         self.registered_buffers += 1
         return buffer
 
+    def reserve_arena(self, nbytes: int) -> HostArena | None:
+        """One region of ``nbytes`` page-locked now (one ``cudaHostRegister``), to carve buffers from; None
+        when pinning failed (then every buffer is pageable, see NOTE [A failed cudaHostRegister])."""
+        if self.pinning_failed or nbytes <= 0:
+            return None
+        region, _address = self._registered_region(nbytes)
+        if region is None:
+            return None
+        logger.info("reserved %s of page-locked host memory for swapped tensors (one registration)",
+                    format_bytes(len(region)))
+        return HostArena(region, nbytes)
+
+    def _registered_region(self, nbytes: int) -> tuple[mmap.mmap | None, int]:
+        """An anonymous mapping of whole pages holding ``nbytes``, registered, and unregistered once it dies."""
+        region_bytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        region = mmap.mmap(-1, region_bytes)
+        probe = torch.frombuffer(region, dtype=torch.uint8, count=1)
+        address = probe.data_ptr()
+        del probe
+        self.page_locks += 1
+        error = int(torch.cuda.cudart().cudaHostRegister(address, region_bytes, _CUDA_HOST_REGISTER_PORTABLE))
+        if error != 0:
+            self._clear_last_error()
+            self.pinning_failed = True
+            logger.warning(
+                "cudaHostRegister of %s failed (cudaError %d, a memlock limit?): swapped tensors use pageable "
+                "host memory from now on (synchronous copies, slower); raise the memlock limit (ulimit -l) or "
+                "lower host_memory_budget", format_bytes(region_bytes), error,
+            )
+            region.close()
+            return None, 0
+        finalizer = weakref.finalize(region, _unregister_host_memory, address)
+        finalizer.atexit = False  # never call into CUDA after its context is gone
+        return region, address
+
+    def _clear_last_error(self) -> None:
+        """Read back (and so reset) this thread's CUDA error (NOTE [A failed cudaHostRegister])."""
+        cudart = torch.cuda.cudart()
+        get_last_error = getattr(cudart, "cudaGetLastError", None)
+        if get_last_error is not None:
+            get_last_error()
+            return
+        # PyTorch's cudart bindings have no cudaGetLastError; a kernel launch reads and resets it (and raises it)
+        device = self._torch_device_of()
+        try:
+            with torch.cuda.device(device.index if device.type == "cuda" else None):
+                torch.zeros(1, dtype=torch.uint8, device=device)
+        except RuntimeError as error:
+            logger.debug("the error cudaHostRegister left behind, read back: %s", str(error).splitlines()[0])
+
     def _fallback(self, nbytes: int) -> torch.Tensor:
         self.fallback_buffers += 1
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def resolve_device_index(device_index: int | None, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
@@ -134,7 +185,7 @@ class CudaBackend:
         if self.capacity_enforced:
             cuda_memory.enforce_capacity(index, self.capacity_bytes)
         self._peak = cuda_memory.PeakReader(index)
-        self.host_allocator_instance = PinnedHostAllocator()
+        self.host_allocator_instance = PinnedHostAllocator(lambda: self.torch_device)
 
     # ---- streams and events -----------------------------------------------------------------
     def current_stream(self):

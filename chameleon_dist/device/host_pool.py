@@ -16,6 +16,11 @@ Two bounds keep host memory tied to what is in use:
   iteration's backward pass); beyond it the least recently released idle buffers are freed. In a steady
   state the sizes repeat and everything idle is reused, so nothing is freed; when every iteration brings
   new sizes (a different batch shape each step), old sizes age out instead of piling up to the budget.
+
+An allocator that can pre-reserve (``reserve_arena``: the CUDA device's pinned allocator) gets one
+``HostArena`` from ``reserve_arena``, once, after the first WarmUp iteration: new buffers are then slices
+of it (no page-locking in the save path when sizes change); its unlent bytes count as reserved, so the
+budget still bounds everything held from the host. Only a buffer the arena cannot hold is allocated apart.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import threading
 from typing import Callable
 
 import torch
+
+from chameleon_dist.device.host_arena import HostArena
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +93,33 @@ class HostBufferPool:
         self.refusals = 0
         self.allocations = 0
         self.evicted_bytes = 0
+        self.arena: HostArena | None = None
+        self.arena_attempted = False
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes the pool holds from the host: buffers in use plus cached free ones."""
-        return self.in_use_bytes + self.cached_bytes
+        """Bytes the pool holds from the host: buffers in use, cached free ones, and the arena's unlent bytes."""
+        arena_free_bytes = 0 if self.arena is None else self.arena.free_bytes
+        return self.in_use_bytes + self.cached_bytes + arena_free_bytes
+
+    def reserve_arena(self, nbytes: int) -> int:
+        """Pre-reserve one arena of ``nbytes`` (bounded by the budget, after freeing every idle buffer) from an
+        allocator that can (``reserve_arena(nbytes) -> HostArena | None``); tried once per pool. Returns the
+        arena's bytes (0: none: the allocator cannot, nothing to size it by, no room, or it failed)."""
+        reserve = getattr(self._allocate, "reserve_arena", None)
+        if reserve is None or self.arena_attempted or nbytes <= 0:
+            return 0
+        self.arena_attempted = True
+        with self._lock:
+            self._evict_locked(self.cached_bytes)  # the arena replaces them
+            room_bytes = nbytes if self.budget_bytes is None else min(nbytes, self.budget_bytes - self.reserved_bytes)
+        if room_bytes <= 0:
+            return 0
+        arena = reserve(room_bytes)
+        with self._lock:
+            self.arena = arena
+            self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+        return 0 if arena is None else arena.capacity_bytes
 
     @property
     def idle_cap_bytes(self) -> int:
@@ -109,8 +138,14 @@ class HostBufferPool:
                 view = reused[:nbytes]
                 self._lent[view.data_ptr()] = reused
                 return view
+            sliced = self._take_arena_locked(nbytes)
+            if sliced is not None:
+                return sliced
             if self.budget_bytes is not None and self.reserved_bytes + nbytes > self.budget_bytes:
                 self._evict_locked(self.reserved_bytes + nbytes - self.budget_bytes)
+                sliced = self._take_arena_locked(nbytes)  # evicted slices went back to the arena
+                if sliced is not None:
+                    return sliced
                 if self.reserved_bytes + nbytes > self.budget_bytes:
                     self.refusals += 1
                     return None
@@ -157,6 +192,20 @@ class HostBufferPool:
         self._cycle_peak_bytes = max(self._cycle_peak_bytes, self.in_use_bytes)
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+
+    def _take_arena_locked(self, nbytes: int) -> torch.Tensor | None:
+        """A slice of the arena (its bytes were reserved already: the budget is not asked), or None. Idle
+        buffers of other sizes give their ranges back first (least recently released first) when it is full."""
+        if self.arena is None:
+            return None
+        buffer = self.arena.take(nbytes)
+        while buffer is None and self._idle and self.arena.capacity_bytes >= nbytes:
+            self._evict_locked(1)  # the oldest idle buffer
+            buffer = self.arena.take(nbytes)
+        if buffer is not None:
+            self._note_in_use_locked(nbytes)
+            self.allocations += 1
+        return buffer
 
     def _take_idle_locked(self, nbytes: int) -> torch.Tensor | None:
         """The most recently released idle buffer of the smallest size in [nbytes, nbytes x (1 + slack)]."""
