@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "launch"))
 
-LAUNCHERS = ("train_megatron", "train_deepspeed")
+LAUNCHERS = ("train_megatron", "train_deepspeed", "zero3_memory")
 GRACE_S = 10.0
 
 

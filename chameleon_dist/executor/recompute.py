@@ -19,6 +19,7 @@ import torch
 
 from chameleon_dist.device.base import byte_view
 from chameleon_dist.device.meter import storage_key
+from chameleon_dist.executor.records import KeptParameter, keeps_itself
 from chameleon_dist.trace.exactness import ReplayJudge
 from chameleon_dist.trace.writes import WrittenTensors
 
@@ -69,13 +70,14 @@ class _Weak:
         self.dtype, self.size, self.stride, self.offset = tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
         self.holder = holder  # what else holds this storage, found while it is alive (a saved tensor, a parameter)
 
-    def view_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This argument as a view of ``tensor``'s storage."""
+    def view_of(self, tensor: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        """This argument as a view of ``tensor``'s storage, ``shift`` elements on from where it was."""
+        offset = self.offset + shift
         if (tensor.dtype == self.dtype and tensor.size() == self.size and tensor.stride() == self.stride
-                and tensor.storage_offset() == self.offset):
+                and tensor.storage_offset() == offset):
             return tensor
         view = torch.empty(0, dtype=self.dtype, device=tensor.device)
-        return view.set_(tensor.untyped_storage(), self.offset, self.size, self.stride)
+        return view.set_(tensor.untyped_storage(), offset, self.size, self.stride)
 
 
 def _weak(value: Any, holder_of: Callable[[torch.Tensor], Any]) -> Any:
@@ -125,7 +127,17 @@ def _materialize(value: Any, unpack: Callable[[Any], torch.Tensor]) -> Any:
     if type(value) is list or type(value) is tuple:
         return type(value)(_materialize(v, unpack) for v in value)
     if isinstance(value, _Packed):
-        return value.weak.view_of(unpack(value.packed))
+        tensor = unpack(value.packed)
+        if not isinstance(value.packed, KeptParameter):
+            return value.weak.view_of(tensor)
+        # a parameter, whose storage may have been swapped since (ZeRO-3 gathers it again for backward)
+        kept = value.packed
+        if tensor.size() != kept.size or tensor.stride() != kept.stride:
+            raise RecomputeUnavailable(
+                f"a parameter an op read in forward is laid out otherwise in backward ({list(kept.size)} "
+                f"stride {kept.stride}, now {list(tensor.size())} stride {tensor.stride()}); set "
+                "executor.allow_recompute: false to swap instead")
+        return value.weak.view_of(tensor, tensor.storage_offset() - kept.offset)
     return value
 
 
@@ -243,7 +255,8 @@ def _weak_items(value: Any) -> list[_Weak]:
 
 class StorageHolders:
     """What holds each storage besides the tensors the program has: the latest packed save of it (a kept
-    alias or a swapped record) and the protected parameters and buffers. A recipe input whose own tensor
+    record or a swapped one) and the protected parameters and buffers (a parameter as its ``KeptParameter``,
+    with its offset as of the op). A recipe input whose own tensor
     object died (a temporary view) is found here while the op runs. Keyed by storage address and checked
     against the storage itself: addresses of dead storages get reused."""
 
@@ -270,4 +283,7 @@ class StorageHolders:
         if known is not None and known[0]() is storage:
             return known[1]()
         ref = self._parameters.get(key)
-        return ref() if ref is not None else None
+        parameter = ref() if ref is not None else None
+        if parameter is None or parameter.untyped_storage() is not storage:
+            return None  # (its storage was swapped: ZeRO-3 frees gathered weights, and the address is reused)
+        return KeptParameter(parameter) if keeps_itself(parameter) else parameter

@@ -301,6 +301,56 @@ class KeptTensor:
         return self.tensor
 
 
+class KeptParameter(KeptTensor):
+    """A saved parameter (or any leaf that requires grad): autograd gets the tensor object itself back, as it
+    does without hooks, never an alias of its data as of the save. A framework that swaps a parameter's
+    storage between forward and backward (ZeRO-3 releases each gathered weight with ``param.data = ...`` and
+    gathers it again for backward) is followed: nothing here holds the released storage. A leaf has no
+    grad_fn, so holding it makes no reference cycle. The in-place check compares the parameter's own version
+    counter (``.data =`` keeps it) at unpack with the save's, as autograd does. ``offset`` is its storage
+    offset at the save: a recipe input that viewed it re-views it relative to where it sits at unpack (its
+    ``size`` and ``stride`` must be what they were)."""
+
+    __slots__ = ("offset", "size", "stride")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.size, self.stride = tensor.size(), tensor.stride()
+        self.tensor = tensor
+        self.stream = None  # never swapped (parameters are not eligible)
+        self.version = tensor._version
+        self.root = weakref.ref(tensor)
+        self.nbytes = tensor.untyped_storage().nbytes()
+        self.offset = tensor.storage_offset()
+        self.swapped = None
+        self.abandoned = False
+
+
+def keeps_itself(tensor: torch.Tensor) -> bool:
+    """Whether a saved tensor is handed back as itself (``KeptParameter``): parameters and leaves that
+    require grad."""
+    return isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)
+
+
+def keep(tensor: torch.Tensor, stream: object | None = None) -> KeptTensor:
+    """The record of a saved tensor that stays on the device: a parameter as itself, else a detached alias."""
+    return KeptParameter(tensor) if keeps_itself(tensor) else KeptTensor(tensor, stream)
+
+
+def keep_input(tensor: torch.Tensor) -> KeptTensor:
+    """A recipe input that stays: for a parameter or a view of one, the parameter itself (ZeRO-3 may swap its
+    storage before backward; the recipe re-views it where it sits then), else a detached alias."""
+    parameter = parameter_of(tensor)
+    return KeptParameter(parameter) if parameter is not None else KeptTensor(tensor)
+
+
+def parameter_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` itself if it is kept as itself, else the parameter it is a view of (None: neither)."""
+    if keeps_itself(tensor):
+        return tensor
+    base = tensor._base
+    return base if base is not None and keeps_itself(base) else None
+
+
 class SwappedTensor:
     """One saved tensor that was swapped out (its storage lives in ``entry``)."""
 

@@ -37,7 +37,7 @@ from chameleon_dist.executor.matching import PolicyMatcher
 from chameleon_dist.executor.pressure import PressureRelief
 from chameleon_dist.executor.protection import StorageProtection
 from chameleon_dist.executor.recompute import ProducerLog, StorageHolders
-from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error
+from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error, keep, keep_input
 from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
 from chameleon_dist.executor.states import EntryState
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
@@ -328,7 +328,7 @@ class SwapExecutor:
             if self.captures_producers:  # (a recipe input whose own object died finds its storage here)
                 self._holders.note(storage, swapped)
             return swapped
-        kept = KeptTensor(tensor, self.device.current_stream())
+        kept = keep(tensor, self.device.current_stream())  # (a parameter as itself: NOTE in records.KeptParameter)
         self._packed.append(weakref.ref(kept))
         if self.captures_producers:
             self._holders.note(storage, kept)
@@ -413,12 +413,12 @@ class SwapExecutor:
 
     def _pack_input(self, tensor: torch.Tensor) -> KeptTensor | SwappedTensor:
         """A recipe's tensor input, packed like a saved tensor: the ``SwappedTensor`` of the entry that swaps
-        or recomputes its storage, else a ``KeptTensor`` (it stays; the in-place check holds)."""
+        or recomputes its storage, else what ``records.keep_input`` keeps (the in-place check holds)."""
         ref = self._by_storage.get(storage_key(tensor.untyped_storage()))
         entry = ref() if ref is not None else None
         if entry is not None and entry.version == tensor._version and not entry.abandoned:
             return SwappedTensor(entry, tensor)
-        return KeptTensor(tensor)
+        return keep_input(tensor)
 
     def on_produced(self, func, args, kwargs, out) -> None:
         """A forward op ran (the dispatch mode calls this while ``captures_producers``)."""

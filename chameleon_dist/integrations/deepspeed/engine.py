@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.loaders import config_from_deepspeed
+from chameleon_dist.integrations.deepspeed.buffers import track_engine_buffers
 from chameleon_dist.integrations.deepspeed.protect import protect_engine_buffers, protect_gathered_parameters
 from chameleon_dist.integrations.deepspeed.replay import (
     ReplayIterator, WindowDiscardedOutOfMemoryError, WindowStart, reset_window,
@@ -370,6 +371,7 @@ def install(engine: Any, config: ChameleonConfig) -> DeepSpeedChameleon:
 
     runtime = DeepSpeedChameleon(config, _coordinates(engine))
     runtime.attach(engine.module)
+    track_engine_buffers(runtime.device, engine)  # (what initialize made: a GPU's allocator counts it)
     if engine.zero_optimization_stage() == 3:
         protect_gathered_parameters(runtime.executor, engine.module)
     runtime.follow_pipeline(engine) if isinstance(engine, PipelineEngine) else runtime.follow(engine)
