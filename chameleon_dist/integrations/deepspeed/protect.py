@@ -8,7 +8,10 @@
   parameters for its forward; ``param.data`` is then the gathered copy, released after the module. A view
   of it saved for backward would be a copy moved out and back for nothing. Each module's own gathered
   parameters are protected from its forward pre-hook (registered after DeepSpeed's, so they are gathered
-  by then) until its forward hook, when ZeRO-3 may free them and their addresses may be reused.
+  by then) until its forward hook, when ZeRO-3 may free them and their addresses may be reused. Nothing
+  here holds a gathered storage past its module's forward (a forward that raised lets go at the next one),
+  and a saved parameter is handed back to autograd as itself (``executor/records.py`` ``KeptParameter``):
+  ZeRO-3's release (``param.data = ...``) frees the gathered weight with Chameleon as without it.
 
 Gradient buckets and partitions and the optimizer state are never saved for backward, so autograd's pack
 hook never sees them; the ZeRO-1/2 flat buffers the parameters live in are the parameters' storages.
@@ -62,13 +65,14 @@ def protect_gathered_parameters(executor: Any, module: nn.Module) -> list[Any]:
             continue
         added: list[torch.Tensor] = []
 
-        def gathered(mod: nn.Module, args: Any, own: list = own, added: list = added) -> None:
-            added.extend(p.data for p in own if p.data.numel() and executor.protect_now(p.data))
-
         def released(mod: nn.Module, args: Any, output: Any, added: list = added) -> None:
             for data in added:
                 executor.unprotect_now(data)
             added.clear()
+
+        def gathered(mod: nn.Module, args: Any, own: list = own, added: list = added) -> None:
+            released(mod, args, None)  # (a forward that raised left its gathered data here: let it go)
+            added.extend(p.data for p in own if p.data.numel() and executor.protect_now(p.data))
 
         handles.append(sub.register_forward_pre_hook(gathered))
         handles.append(sub.register_forward_hook(released))
