@@ -96,6 +96,10 @@ class DeviceTimer(Protocol):
         """Wait until the device has reached every mark made so far (call once, before ``elapsed_s``)."""
         ...
 
+    def completed(self, mark: object) -> bool:
+        """True once the device has reached ``mark`` (never blocks): ``elapsed_s`` up to it is valid then."""
+        ...
+
     def elapsed_s(self, start: object, end: object) -> float:
         """Seconds of device time from ``start`` to ``end`` (both made before the latest ``resolve``)."""
         ...
@@ -110,6 +114,9 @@ class HostTimer:
 
     def resolve(self) -> None:
         """Nothing to wait for: the host's clock was read when the work had run."""
+
+    def completed(self, mark: float) -> bool:
+        return True
 
     def elapsed_s(self, start: float, end: float) -> float:
         return end - start
@@ -178,6 +185,11 @@ class Device(Protocol):
 
     def current_stream(self) -> object:
         """The stream work is queued on now (recorded at a save: the saved tensor's producer)."""
+        ...
+
+    def is_capturing(self) -> bool:
+        """True while a CUDA graph is being captured on the current stream (NOTE [No swapping under graph
+        capture] in ``executor/capture.py``); never on the emulated device."""
         ...
 
     def copy_to_host(self, storage: torch.UntypedStorage, stream: object | None = None) -> CopyHandle | None:

@@ -76,6 +76,9 @@ class EventTimer:
     def resolve(self) -> None:
         self._backend.synchronize()
 
+    def completed(self, mark) -> bool:
+        return mark.query()
+
     def elapsed_s(self, start, end) -> float:
         return self._backend.elapsed_s(start, end)
 
@@ -165,6 +168,10 @@ class StreamDevice:
     def current_stream(self):
         """The stream work is queued on now (a saved tensor's producer: recorded at the save)."""
         return self.backend.current_stream()
+
+    def is_capturing(self) -> bool:
+        """A CUDA graph is being captured (the backend's ``is_capturing``): nothing may be queued then."""
+        return self.backend.is_capturing()
 
     # ---- copies -----------------------------------------------------------------------------
     def copy_to_host(self, storage: torch.UntypedStorage, stream=None) -> StreamCopyHandle | None:

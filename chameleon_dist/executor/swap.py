@@ -32,6 +32,7 @@ from torch import nn
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.meter import storage_key
+from chameleon_dist.executor.capture import capture_aware
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
 from chameleon_dist.executor.pressure import PressureRelief
@@ -181,7 +182,7 @@ class SwapExecutor:
         self._start_attempt()
         watch = contextlib.nullcontext() if context.writes_reported else WriteWatch(self.note_writes)
         try:
-            with watch, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with watch, torch.autograd.graph.saved_tensors_hooks(*capture_aware(self.device, self._pack, self._unpack)):
                 yield self.counters
             self.device.release_all_sources()
         finally:
