@@ -29,7 +29,14 @@ class IterationReport:
     matches, ``passive_swaps``, ``pressure_waits``, ``kept_on_device_bytes``), ``num_ops`` and the
     sequence comparison describe only the attempt that completed, as if it had been the only one;
     ``peak_device_bytes``, ``iteration_s`` and ``stall_s`` span the whole iteration, failed attempts
-    included."""
+    included.
+
+    A Stable iteration never waits for the device to read its own times (NOTE [Stable iterations never
+    wait for their own figures] in ``device/iteration_times.py``): ``iteration_s`` is then the device time of the
+    newest iteration whose end the device had reached when this one ended, ``iteration_s_lag`` iterations
+    back (usually 1 on a GPU, 0 once the device has caught up), and ``stall_s`` counts the waits on copies
+    whose timing events had completed by then, so a stall at the end of one iteration is counted in the
+    next one's figure. WarmUp and GenPolicy iterations wait: their figures are their own (lag 0)."""
 
     iteration: int
     enabled: bool  # chameleon.enabled: false means measured only, nothing swapped
@@ -76,6 +83,7 @@ class IterationReport:
     evicted_prefetches: int = 0  # prefetched swap-ins given back under memory pressure (fetched again on use)
     rank: str = ""  # the rank's coordinates in a distributed job (``RankCoordinates.label``); "" alone
     host_memory_budget_bytes: int | None = None  # this rank's host budget (a share of the node's RAM); None: unbounded
+    iteration_s_lag: int = 0  # iterations ``iteration_s`` lags (Stable: usually 1; see below)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -32,6 +32,7 @@ from chameleon_dist.config.node import HostShare
 from chameleon_dist.device.base import Device, module_device_bytes
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
+from chameleon_dist.device.iteration_times import IterationTimes
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
@@ -164,6 +165,9 @@ class Chameleon:
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._iteration = 0
         self._running: _Running | None = None
+        # device times from marks at each iteration's start and end on the compute stream: on a GPU the host
+        # only queues kernels, so a host clock would rank trials by how fast their kernels were queued
+        self._times = IterationTimes()
         self.last_report: IterationReport | None = None
         self._warned_unknown_parameters = False  # run_iteration retried without knowing every parameter
         self.device.set_pressure_handler(self.executor.relieve_pressure if self.config.enabled else None)
@@ -271,7 +275,9 @@ class Chameleon:
         finally:
             self._running = None
         self._iteration += 1
-        iteration_s = self._device_seconds(running)
+        # (NOTE [Stable iterations never wait for their own figures] in device/iteration_times.py)
+        iteration_s, iteration_s_lag = self._times.finish(self._iteration, running.timer, running.iteration_start,
+                                                          wait=stage != Stage.STABLE)
         counters = running.counters
         outcome = IterationOutcome(
             iteration=self._iteration, stage=stage, policy=policy, peak_bytes=self.device.peak_bytes(),
@@ -289,20 +295,12 @@ class Chameleon:
         self.controller.follow(profile.transition, outcome)
         self.last_report = IterationReport.completed(
             self._iteration, iteration_s, profile, tightened_in_place=self.controller.tightened_in_place,
-            **self._measured_fields(running),
+            iteration_s_lag=iteration_s_lag, **self._measured_fields(running),
         )
         logger.debug("%s", self.last_report)
         if stage == Stage.WARMUP and self.config.enabled and counters.swap_out_bytes:
             # once, outside the save path: page-locked host memory for what WarmUp swapped (host_pool.py)
             self.device.host_pool.reserve_arena(counters.swap_out_bytes)
-
-    def _device_seconds(self, running: _Running) -> float:
-        """The iteration's device time: from a mark at its start to one at its end on the compute stream
-        (one synchronisation). On a GPU the host only queues kernels, so a host clock would rank policy
-        trials by how fast their kernels were queued; on the emulated device it is the device clock."""
-        end = running.timer.mark()
-        running.timer.resolve()
-        return running.timer.elapsed_s(running.iteration_start, end)
 
     def _policy_settings(self) -> PolicySettings:
         """What the controller generates policies for: this runtime's budget, device link and host pool."""

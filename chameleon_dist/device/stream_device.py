@@ -132,11 +132,10 @@ class StreamDevice:
         self.backend.reset_peak()
 
     def stall_s(self) -> float:
-        """Device seconds the streams sat in ``wait_event`` on copies (resolved lazily)."""
-        for start, end in self._stall_pairs:
-            end.synchronize()
-            self._stall_s += self.backend.elapsed_s(start, end)
-        self._stall_pairs.clear()
+        """Device seconds the streams sat in ``wait_event`` on copies, each wait counted once its timing
+        events have completed. Never blocks: a wait still queued when asked is counted by a later call (in
+        Stable usually the next iteration's; after the timer's ``resolve``, a device-wide wait, every one)."""
+        self._fold_completed_stalls()
         return self._stall_s
 
     @contextlib.contextmanager
@@ -317,13 +316,17 @@ class StreamDevice:
         end.record(stream)
         self._stall_pairs.append((start, end))
         if len(self._stall_pairs) > _STALL_PAIRS_BEFORE_FOLD:
-            finished = 0
-            for start, end in self._stall_pairs:
-                if not end.query():
-                    break
-                self._stall_s += backend.elapsed_s(start, end)
-                finished += 1
-            del self._stall_pairs[:finished]
+            self._fold_completed_stalls()
+
+    def _fold_completed_stalls(self) -> None:
+        """Add the waits whose end event has completed to the total (``query`` only: never blocks)."""
+        waiting = []
+        for start, end in self._stall_pairs:
+            if end.query():
+                self._stall_s += self.backend.elapsed_s(start, end)
+            else:
+                waiting.append((start, end))
+        self._stall_pairs = waiting
 
     def _note_host_copy(self, host: torch.Tensor, done) -> None:
         if host.numel():

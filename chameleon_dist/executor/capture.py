@@ -3,11 +3,11 @@
 NOTE [No swapping under graph capture]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Swapping is unsupported inside a CUDA-graph capture (Megatron's CUDA graphs, Transformer Engine's graphed
-callables, ``torch.cuda.graph``). A capture records the kernels queued on the capturing stream to replay
+callables, a graph captured by hand). A capture records the kernels queued on the capturing stream to replay
 them later; querying an event, making another stream wait on the capturing one, or queueing a copy on a
 copy stream invalidates the capture (``cudaErrorStreamCaptureInvalidated``), and a replay would repeat
 copies into host buffers the pool has since handed to other tensors. So while
-``Device.is_capturing()`` (``torch.cuda.is_current_stream_capturing()`` on the CUDA backend; never on
+``Device.is_capturing()`` (the CUDA backend asks whether the current stream is capturing; never on
 the emulated device), the pack hook keeps every saved tensor on the device exactly as it is and queues
 nothing: no ``event.query``, no ``wait_stream``, no copy, no release of a held source, no entry a
 passive swap could take later. The unpack hook hands a kept tensor back (with autograd's in-place check)

@@ -3,8 +3,10 @@
 NOTE [Relief under pressure]
 The device calls the executor's ``relieve_pressure(short_bytes)`` (its ``PressureRelief.relieve``) before it
 raises out-of-memory. In order, each step only when the previous ones freed too little:
-1. Swap-outs: issue the placed ones that are due later, let every in-flight copy land and release its
-   source (the time waited is stall; ``pressure_waits``).
+1. Swap-outs: issue the placed ones that are due later and release every held source, in-flight copies
+   included, ordered on the device: each owning stream waits for its copy's done-event, so the op that
+   runs next on it reuses the block only after the copy has read it; the host never synchronises (the
+   time the stream waits is stall; ``pressure_waits``).
 2. Prefetches: give back device bytes restored ahead of their use while a host copy still exists, the
    ones needed last first: swap-ins started early (a host buffer goes back only when backward uses the
    restored bytes), and restores that reused a device original because its slow swap-out had not landed
@@ -79,8 +81,7 @@ class PressureRelief:
         before = self._device.live_bytes()
         if self._schedule.swap_outs:
             self._issue_pending_swap_outs()
-        self._device.release_all_sources()
-        self._device.synchronize()
+        self._device.release_all_sources()  # stream-ordered: each block's reuse waits for its copy, the host does not
         freed = max(before - self._device.live_bytes(), 0)
         waited = freed > 0
         if freed < short_bytes and not self._prefetching():
