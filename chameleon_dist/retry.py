@@ -4,8 +4,9 @@
   values), so the retry never adds to a half-accumulated gradient. Taken for the parameters of attached
   models and of the optimizer passed to ``run_iteration``; parameters the runtime cannot see are not
   restored (the runtime warns when that may have happened). Gradients zeroed in place are checked on
-  their device and not copied; other existing gradients are copied to host memory once per iteration,
-  outside the metered device; ``zero_grad(set_to_none=True)`` makes the snapshot free.
+  their device and not copied; other existing gradients are copied to host memory just before backward
+  first adds to them, without a host wait (NOTE [A gradient snapshot without host waits]);
+  ``zero_grad(set_to_none=True)`` makes the snapshot free.
 - ``RandomState``: the CPU generator and the device's, so dropout masks repeat exactly.
 - ``final_out_of_memory``: the error the last failed attempt raises, saying why swapping could not make
   room and what to change.
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -26,74 +28,138 @@ from chameleon_dist.device.base import Device
 from chameleon_dist.units import format_bytes
 
 
-_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-_ZEROS = object()  # marks a gradient whose every bit was 0 when the snapshot was taken (nothing copied)
-
-
 class GradientSnapshot:
     """The gradient of every parameter as the iteration began, to give back before a retry.
 
-    A gradient whose bits are all 0 (what ``zero_grad(set_to_none=False)`` and the zeroed gradient
-    buffers of Megatron and DeepSpeed leave) is not copied: ``restore`` zeroes it again. Checking costs a
-    read of the gradient on its device (a single synchronization for all of them); copying would cost a
-    device-to-host copy of every gradient in every iteration. Other gradients (accumulated across
-    iterations, sparse ones) are copied to host memory. ``host_bytes`` says how much was copied."""
+    NOTE [A gradient snapshot without host waits]
+    Nothing is copied, and the host never waits for the device, when the snapshot is taken: one fused
+    reduction per device (``_foreach_max`` over the gradients' bytes) tells on the device which gradients
+    have a bit set, and that answer travels to a host buffer asynchronously. A gradient's values matter
+    to a retry only once backward is about to add to it (a retry is possible only after an out-of-memory
+    error in the closure, and until backward adds to a gradient it still holds its starting bits), so
+    each parameter gets a hook that runs just before autograd accumulates into its gradient, once per
+    iteration: by then the answer has landed (``query``, never waiting), and a gradient whose bits are all
+    0 (what ``zero_grad(set_to_none=False)`` and the zeroed buffers of Megatron and DeepSpeed leave) is not
+    copied (``restore`` zeroes it again); any other is copied to a host buffer of the device's pool on the
+    accumulating stream, which then waits for the copy on the device (the host does not). Were the answer
+    not there yet, the gradient is copied. ``zero_grad(set_to_none=True)`` makes the snapshot free. Copies
+    that the pool cannot hold, of gradients that are views into a larger buffer, and of sparse gradients are
+    made with a blocking copy. Gradients that a closure writes in place before its first backward (other
+    than zeroing them) are not seen. ``host_bytes`` says how much was copied; ``close`` ends it."""
 
-    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self._saved: list[tuple[torch.Tensor, torch.Tensor | None, Any]] = []
+    def __init__(self, parameters: Iterable[torch.Tensor], device: Device | None = None) -> None:
+        self._device = device
         unique = list({id(p): p for p in parameters}.values())
-        zero_bits = _all_zero_bits([p.grad for p in unique])
+        self._saved: list[tuple[torch.Tensor, torch.Tensor | None]] = [(p, p.grad) for p in unique]
+        self._nonzero = _NonzeroBits([g for _, g in self._saved], device)
+        self._copies: dict[int, Any] = {}  # position -> a host copy (a device handle, or a CPU tensor)
+        self._zeroed: set[int] = set()  # positions found all 0 when backward first reached them
         self.host_bytes = 0
-        for parameter, zero in zip(unique, zero_bits):
-            grad = parameter.grad
-            if grad is None:
-                kept = None
-            elif zero:
-                kept = _ZEROS
-            else:
-                kept = grad.detach().to("cpu", copy=True)
-                self.host_bytes += grad.numel() * grad.element_size()
-            self._saved.append((parameter, grad, kept))
+        self._hooks = [p.register_hook(functools.partial(self._before_accumulation, i))
+                       for i, (p, g) in enumerate(self._saved) if g is not None and p.requires_grad]
 
     def __len__(self) -> int:
         return len(self._saved)
 
     def covers(self, parameter: torch.Tensor) -> bool:
-        return any(saved is parameter for saved, _, _ in self._saved)
+        return any(saved is parameter for saved, _ in self._saved)
+
+    def _before_accumulation(self, position: int, incoming: torch.Tensor) -> None:
+        """Autograd is about to add ``incoming`` into the parameter's gradient: keep its starting bits first."""
+        parameter, grad = self._saved[position]
+        if position in self._copies or position in self._zeroed or parameter.grad is not grad:
+            return  # kept already, or the gradient was replaced (the starting tensor is untouched)
+        if self._nonzero.known_zero(position):
+            self._zeroed.add(position)
+            return
+        self._copies[position] = self._copy(grad)
+        self.host_bytes += grad.numel() * grad.element_size()
+
+    def _copy(self, grad: torch.Tensor) -> Any:
+        whole = grad.layout == torch.strided and grad.is_contiguous() and grad.storage_offset() == 0 and \
+            grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        handle = self._device.copy_to_host(grad.untyped_storage()) if whole and self._device is not None else None
+        if handle is None:
+            return grad.detach().to("cpu", copy=True)
+        self._device.wait(handle)  # the accumulation, queued next on this stream, comes after the copy
+        return handle
 
     def restore(self) -> None:
         """Every parameter gets back the gradient it had (the same tensor object, so buffers that alias it
         stay valid), or None."""
         with torch.no_grad():
-            for parameter, grad, kept in self._saved:
+            for position, (parameter, grad) in enumerate(self._saved):
                 if grad is None:
                     parameter.grad = None
                     continue
-                if kept is _ZEROS:
+                kept = self._copies.get(position)
+                if position in self._zeroed:
                     grad.zero_()
-                else:
+                elif isinstance(kept, torch.Tensor):
                     grad.copy_(kept)
+                elif kept is not None:
+                    grad.copy_(self._device.wait(kept).view(grad.dtype).view(grad.shape))
                 if parameter.grad is not grad:
                     parameter.grad = grad
 
+    def close(self) -> None:
+        """The iteration is over: remove the hooks and give the host buffers back."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for kept in self._copies.values():
+            if not isinstance(kept, torch.Tensor):
+                self._device.release_host(kept.result)
+        self._copies.clear()
+        self._nonzero.close()
 
-def _all_zero_bits(grads: list[torch.Tensor | None]) -> list[bool]:
-    """For each dense gradient: whether all its bits are 0 (exactly what ``zero_()`` writes; -0.0 and NaN
-    are not). None and sparse gradients: False. One host synchronization for all of them."""
-    flags = []
-    for grad in grads:
-        integer = None if grad is None or grad.layout != torch.strided else _SAME_SIZE_INTEGER.get(grad.element_size())
-        if integer is None or grad.is_complex():
-            flags.append(None)
-            continue
-        flags.append(grad.detach().view(integer).any())
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for f in flags:
-        if f is not None:
-            by_device.setdefault(f.device, []).append(f)
-    answers = {device: iter(torch.stack(found).tolist()) for device, found in by_device.items()}
-    return [False if f is None else not next(answers[f.device]) for f in flags]
+
+class _NonzeroBits:
+    """Which gradients have a bit set, found on their device in one fused reduction per device and copied to
+    the host asynchronously (NOTE [A gradient snapshot without host waits]). ``known_zero`` never waits:
+    False until the answer has landed. None, empty and sparse gradients: never known zero (empty ones have
+    nothing to keep anyway)."""
+
+    def __init__(self, grads: list[torch.Tensor | None], device: Device | None) -> None:
+        self._device = device
+        self._answers: list[tuple[list[int], Any]] = []  # (positions, host copy of their flags)
+        self._flags: dict[int, bool] = {}
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for position, grad in enumerate(grads):
+            if grad is not None and grad.layout == torch.strided and grad.numel():
+                by_device.setdefault(grad.device, []).append((position, grad))
+        for found in by_device.values():
+            positions = [position for position, _ in found]
+            maxima = torch._foreach_max([g.detach().reshape(-1).view(torch.uint8) for _, g in found])
+            flags = torch.stack(maxima).ne(0).view(torch.uint8)
+            handle = device.copy_to_host(flags.untyped_storage()) if device is not None else None
+            self._answers.append((positions, handle if handle is not None else flags))
+
+    def known_zero(self, position: int) -> bool:
+        if self._answers:
+            self._collect()
+        return self._flags.get(position) is False
+
+    def _collect(self) -> None:
+        waiting = []
+        for positions, answer in self._answers:
+            if isinstance(answer, torch.Tensor):  # no device copy: a host tensor already
+                values = answer.tolist() if answer.device.type == "cpu" else None
+            else:
+                values = answer.result.tolist() if answer.done() else None
+            if values is None:
+                waiting.append((positions, answer))
+                continue
+            self._flags.update(zip(positions, (bool(v) for v in values)))
+            if not isinstance(answer, torch.Tensor):
+                self._device.release_host(answer.result)
+        self._answers = waiting
+
+    def close(self) -> None:
+        for _, answer in self._answers:
+            if not isinstance(answer, torch.Tensor):
+                self._device.release_host(answer.result)
+        self._answers = []
 
 
 class RandomState:

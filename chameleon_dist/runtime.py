@@ -328,9 +328,11 @@ class Chameleon:
           ``next(data_iter)`` would silently train the retry on a different batch).
         - Without ``optimizer``, gradients of parameters outside attached models cannot be restored: pass
           the optimizer (or ``attach`` every model); the first such retry logs a warning.
-        - Gradients that exist when the iteration begins are copied to host memory so a retry can restore
-          them, except gradients zeroed in place (``zero_grad(set_to_none=False)``, framework gradient
-          buffers): those are only read on their device, and zeroed again for a retry.
+        - Gradients that exist when the iteration begins are copied to host memory, just before backward
+          first adds to them, so a retry can restore them, except gradients zeroed in place
+          (``zero_grad(set_to_none=False)``, framework gradient buffers): those are only checked on their
+          device, and zeroed again for a retry. The host never waits for the device to take the snapshot
+          (NOTE [A gradient snapshot without host waits] in ``retry.py``).
 
         **What is not retried.** Keep the optimizer step out of the closure. An out-of-memory error
         inside ``optimizer.step()`` is raised as ``OptimizerStepOutOfMemoryError`` (the step may already
@@ -355,8 +357,8 @@ class Chameleon:
                 loss = chameleon.run_iteration(lambda: train_step(model, batch), optimizer=optimizer)
         """
         retries = self.config.executor.max_oom_retries if self.config.enabled else 0
-        gradients = GradientSnapshot(self._retry_parameters(optimizer)) if retries else None
-        with self.iteration():
+        gradients = GradientSnapshot(self._retry_parameters(optimizer), self.device) if retries else None
+        with self.iteration(), contextlib.closing(gradients) if retries else contextlib.nullcontext():
             random_state = RandomState(self.device)
             for attempt in range(retries + 1):
                 if attempt:

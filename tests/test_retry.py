@@ -128,11 +128,13 @@ def test_a_gradient_snapshot_gives_back_every_bit():
     before = [None if g is None else g.clone() for g in grads]
     snapshot = GradientSnapshot(params + params[:2])  # a parameter listed twice is taken once
     assert len(snapshot) == len(params)
+    assert snapshot.host_bytes == 0  # nothing is copied before backward is about to add to a gradient
+    generator = torch.Generator().manual_seed(0)
+    sum((p * torch.randn(p.shape, generator=generator).to(p.dtype)).sum() for p in params).backward()
     assert snapshot.host_bytes == (5 + 4) * 4 + 6 * 2 * 4  # the -0.0, the NaNs and the sparse one
-    for p in params:
-        p.grad = torch.randn(p.shape, dtype=p.dtype)
     params[4].grad = None
     snapshot.restore()
+    snapshot.close()
     for p, g, b in zip(params, grads, before):
         if g is None:
             assert p.grad is None
