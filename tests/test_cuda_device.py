@@ -123,6 +123,11 @@ def fake_cuda(monkeypatch):
         "get_per_process_memory_fraction": lambda device=None: 1.0,
         "set_per_process_memory_fraction": lambda fraction, device=None: None,
         "reset_peak_memory_stats": lambda device=None: None,
+        # (read at call time: a test may patch the four figures)
+        "memory_stats_as_nested_dict": lambda device=None: {
+            "allocated_bytes": {"all": {"current": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}},
+            "reserved_bytes": {"all": {"current": torch.cuda.memory_reserved(), "peak": torch.cuda.max_memory_reserved()}},
+        },
     }
     for name, value in patches.items():
         monkeypatch.setattr(torch.cuda, name, value)

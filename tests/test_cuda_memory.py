@@ -79,6 +79,10 @@ class FakeAllocator:
             "max_memory_allocated": lambda device=None: self.max_allocated_bytes,
             "memory_reserved": lambda device=None: self.reserved_bytes,
             "max_memory_reserved": lambda device=None: self.max_reserved_bytes,
+            "memory_stats_as_nested_dict": lambda device=None: {
+                "allocated_bytes": {"all": {"current": self.allocated_bytes, "peak": self.max_allocated_bytes}},
+                "reserved_bytes": {"all": {"current": self.reserved_bytes, "peak": self.max_reserved_bytes}},
+            },
             "reset_peak_memory_stats": self.reset_peak_memory_stats,
             "get_per_process_memory_fraction": lambda device=None: self.fraction,
             "set_per_process_memory_fraction": self.set_per_process_memory_fraction,

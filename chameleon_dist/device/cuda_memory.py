@@ -234,6 +234,18 @@ class PeakReading:
     reset_seen: bool  # someone reset the peak statistics during the iteration
 
 
+def allocator_bytes(device_index: int) -> tuple[int, int, int, int]:
+    """(``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``) from one
+    read of the caching allocator's statistics. ``torch.cuda.memory_allocated`` and the other three each
+    build ``memory_stats()``, which flattens and sorts every statistic into a new dict; the nested dict is
+    the same C++ read without that, and one read serves all four figures."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device_index)
+    allocated = stats.get("allocated_bytes", {}).get("all", {})
+    reserved = stats.get("reserved_bytes", {}).get("all", {})
+    return (int(allocated.get("current", 0)), int(allocated.get("peak", 0)), int(reserved.get("current", 0)),
+            int(reserved.get("peak", 0)))
+
+
 class PeakReader:
     """This iteration's peak from ``max_memory_allocated`` read as a difference; never resets it.
 
@@ -249,11 +261,8 @@ class PeakReader:
         self.begin()
 
     def begin(self) -> None:
-        index = self.device_index
-        self._max_allocated_at_begin_bytes = int(torch.cuda.max_memory_allocated(index))
-        self._max_reserved_at_begin_bytes = int(torch.cuda.max_memory_reserved(index))
-        self._sampled_bytes = int(torch.cuda.memory_allocated(index))
-        self._reserved_at_begin_bytes = int(torch.cuda.memory_reserved(index))
+        (self._sampled_bytes, self._max_allocated_at_begin_bytes, self._reserved_at_begin_bytes,
+         self._max_reserved_at_begin_bytes) = allocator_bytes(self.device_index)
 
     def note(self, allocated_bytes: int) -> None:
         """A ``memory_allocated`` sample taken during the iteration."""
@@ -261,20 +270,20 @@ class PeakReader:
             self._sampled_bytes = int(allocated_bytes)
 
     def sample(self) -> int:
-        """Read ``memory_allocated`` now, note it, and return it."""
-        allocated_bytes = int(torch.cuda.memory_allocated(self.device_index))
+        """Read ``memory_allocated`` now (one statistics read: ``allocator_bytes``), note it, and return it."""
+        allocated_bytes = allocator_bytes(self.device_index)[0]
         self.note(allocated_bytes)
         return allocated_bytes
 
     def read(self) -> PeakReading:
-        index = self.device_index
-        self.sample()
+        allocated_bytes, max_allocated_bytes, reserved_bytes, max_reserved_bytes = allocator_bytes(self.device_index)
+        self.note(allocated_bytes)
         peak_bytes, exact, reset_allocated = _peak_since(
-            int(torch.cuda.max_memory_allocated(index)), self._max_allocated_at_begin_bytes, self._sampled_bytes
+            max_allocated_bytes, self._max_allocated_at_begin_bytes, self._sampled_bytes
         )
-        seen_reserved = max(self._reserved_at_begin_bytes, int(torch.cuda.memory_reserved(index)))
+        seen_reserved = max(self._reserved_at_begin_bytes, reserved_bytes)
         peak_reserved_bytes, reserved_exact, reset_reserved = _peak_since(
-            int(torch.cuda.max_memory_reserved(index)), self._max_reserved_at_begin_bytes, seen_reserved
+            max_reserved_bytes, self._max_reserved_at_begin_bytes, seen_reserved
         )
         return PeakReading(
             peak_bytes=peak_bytes, exact=exact,
