@@ -51,6 +51,8 @@ class GradientSnapshot:
         self._device = device
         unique = list({id(p): p for p in parameters}.values())
         self._saved: list[tuple[torch.Tensor, torch.Tensor | None]] = [(p, p.grad) for p in unique]
+        self._versions = [None if g is None else g._version for _, g in self._saved]  # as the iteration began
+        self._written: set[int] = set()  # copied after an in-place write the snapshot did not see
         self._nonzero = _NonzeroBits([g for _, g in self._saved], device)
         self._copies: dict[int, Any] = {}  # position -> a host copy (a device handle, or a CPU tensor)
         self._zeroed: set[int] = set()  # positions found all 0 when backward first reached them
@@ -72,6 +74,8 @@ class GradientSnapshot:
         if self._nonzero.known_zero(position):
             self._zeroed.add(position)
             return
+        if grad._version != self._versions[position]:
+            self._written.add(position)  # (the copy holds what the closure wrote, not the starting bits)
         self._copies[position] = self._copy(grad)
         self.host_bytes += grad.numel() * grad.element_size()
 
@@ -86,13 +90,26 @@ class GradientSnapshot:
 
     def restore(self) -> None:
         """Every parameter gets back the gradient it had (the same tensor object, so buffers that alias it
-        stay valid), or None."""
+        stay valid), or None. A gradient the closure wrote in place before backward reached it (its version
+        moved) can be given back only when it started at 0 or was zeroed: else this raises rather than let the
+        retry apply the closure's write twice."""
+        if self._device is not None:
+            self._device.synchronize()  # (a retry: the host may read the copies and the zero answers now)
         with torch.no_grad():
             for position, (parameter, grad) in enumerate(self._saved):
                 if grad is None:
                     parameter.grad = None
                     continue
                 kept = self._copies.get(position)
+                unseen = kept is None and position not in self._zeroed and grad._version != self._versions[position]
+                if unseen and self._nonzero.known_zero(position, wait=True):
+                    self._zeroed.add(position)  # (started at 0: the closure's write is undone by zeroing)
+                elif (unseen or position in self._written) and bool(_current(grad, kept, self._device).any()):
+                    raise RuntimeError(
+                        f"cannot retry the iteration: the gradient of a parameter {list(grad.shape)} was written in "
+                        "place inside the closure before backward reached it, and the gradient snapshot keeps a "
+                        "gradient's starting values only when backward first adds to it. Write gradients after "
+                        "backward, zero them with zero_grad(set_to_none=True), or set executor.max_oom_retries: 0.")
                 if position in self._zeroed:
                     grad.zero_()
                 elif isinstance(kept, torch.Tensor):
@@ -112,6 +129,15 @@ class GradientSnapshot:
                 self._device.release_host(kept.result)
         self._copies.clear()
         self._nonzero.close()
+
+
+def _current(grad: torch.Tensor, kept: Any, device: Device | None) -> torch.Tensor:
+    """What a retry would give back at a position: its copy, else the gradient as it is now."""
+    if kept is None:
+        return grad
+    if isinstance(kept, torch.Tensor):
+        return kept
+    return kept.result  # (the caller synchronised the device: the copy has landed)
 
 
 class _NonzeroBits:
@@ -135,16 +161,19 @@ class _NonzeroBits:
             handle = device.copy_to_host(flags.untyped_storage()) if device is not None else None
             self._answers.append((positions, handle if handle is not None else flags))
 
-    def known_zero(self, position: int) -> bool:
+    def known_zero(self, position: int, wait: bool = False) -> bool:
+        """Whether the gradient at ``position`` had no bit set; with ``wait`` (a retry) the answer is waited for."""
         if self._answers:
-            self._collect()
+            self._collect(wait)
         return self._flags.get(position) is False
 
-    def _collect(self) -> None:
+    def _collect(self, wait: bool) -> None:
         waiting = []
         for positions, answer in self._answers:
             if isinstance(answer, torch.Tensor):  # no device copy: a host tensor already
-                values = answer.tolist() if answer.device.type == "cpu" else None
+                values = answer.tolist() if answer.device.type == "cpu" or wait else None
+            elif wait:  # (the caller synchronised the device: the copy has landed)
+                values = answer.result.tolist()
             else:
                 values = answer.result.tolist() if answer.done() else None
             if values is None:

@@ -307,3 +307,39 @@ def test_a_retry_does_not_inherit_the_failed_attempts_frames():
     chameleon.run_iteration(closure)
     assert len(live_at_start) == 2 and chameleon.last_report.oom_retries == 1
     assert live_at_start[1] == live_at_start[0], "the failed attempt's 1 MiB is gone before the retry"
+
+
+def _decaying_train(fail_at=None, decay_in_place=True):
+    """Gradients accumulate across iterations (never zeroed); each closure first decays them in place
+    (``grad.mul_(0.5)``), before backward reaches them, then runs two micro-batches."""
+    torch.manual_seed(0)
+    model = WithHead()
+    chameleon = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(10**9))
+    chameleon.attach(model.body)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(3):
+        fail = FailOnce(fail_at) if fail_at is not None and step == 1 else None
+        inner = _two_micro_batches(model, step, fail)
+
+        def closure(inner=inner):
+            if decay_in_place:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(0.5)
+            return inner()
+
+        chameleon.run_iteration(closure, optimizer=optimizer)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+def test_a_gradient_written_in_place_before_backward_is_an_error_on_retry_not_a_wrong_gradient():
+    """The snapshot keeps a gradient's starting bits when backward first adds to it; a closure that decays
+    the gradients first would have its decay kept as the 'start', and the retry would decay twice. It must
+    raise instead. Without the decay, the same retry is bit-identical."""
+    _assert_equal(_decaying_train(decay_in_place=False), _decaying_train(fail_at=40, decay_in_place=False))
+    _decaying_train(decay_in_place=True)  # (no retry: fine)
+    with pytest.raises(RuntimeError, match="written in place inside the closure before backward"):
+        _decaying_train(fail_at=40, decay_in_place=True)
