@@ -31,8 +31,8 @@ from chameleon_dist.config.checks import model_fit_problem, runtime_problems
 from chameleon_dist.config.node import HostShare
 from chameleon_dist.device.base import Device, module_device_bytes
 from chameleon_dist.device.factory import make_device
-from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
 from chameleon_dist.device.iteration_times import IterationTimes
+from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction

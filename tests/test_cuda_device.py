@@ -123,10 +123,13 @@ def fake_cuda(monkeypatch):
         "get_per_process_memory_fraction": lambda device=None: 1.0,
         "set_per_process_memory_fraction": lambda fraction, device=None: None,
         "reset_peak_memory_stats": lambda device=None: None,
+        "is_current_stream_capturing": lambda: False,
         # (read at call time: a test may patch the four figures)
         "memory_stats_as_nested_dict": lambda device=None: {
-            "allocated_bytes": {"all": {"current": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}},
-            "reserved_bytes": {"all": {"current": torch.cuda.memory_reserved(), "peak": torch.cuda.max_memory_reserved()}},
+            "allocated_bytes": {"all": {"current": torch.cuda.memory_allocated(device),
+                                        "peak": torch.cuda.max_memory_allocated(device)}},
+            "reserved_bytes": {"all": {"current": torch.cuda.memory_reserved(device),
+                                       "peak": torch.cuda.max_memory_reserved(device)}},
         },
     }
     for name, value in patches.items():

@@ -161,7 +161,7 @@ def test_a_recipe_input_that_views_a_parameter_follows_its_storage():
     log = ProducerLog(lambda tensor: None)
     out = torch.ops.aten.mul.Tensor(view.detach(), 3.0)
     log.note(torch.ops.aten.mul.Tensor, (view, 3.0), {}, out)
-    recipe = log.recipe_for(out.untyped_storage(), keep_input)
+    recipe = log.recipe_for(out, keep_input)
     assert recipe is not None and isinstance(recipe.args[0].packed, KeptParameter)
     forward_buffer = weakref.ref(flat.untyped_storage())
     expected = out.clone()
