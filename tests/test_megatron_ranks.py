@@ -19,6 +19,7 @@ import pytest
 from tests.rank_batch import completed, run_jobs
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.ranks  # (NOTE [The multi-rank tier] in tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 ITERATIONS = 6
