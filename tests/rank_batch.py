@@ -130,6 +130,25 @@ def completed(result: dict) -> dict:
     return result["report"]
 
 
+def assert_settled_in_stable(on: dict, off: dict, min_stable_iterations: int) -> None:
+    """For the tests: every rank of the report ``on`` reached Stable and stayed ``min_stable_iterations`` or
+    more, with no passive swap (each a policy miss paid synchronously), no change of the op sequence, and a
+    policy that swaps less than WarmUp's swap-everything: some bytes on a rank whose unswapped peak (the
+    report ``off``) is above its capacity, possibly none on a rank that fits."""
+    for rank, unswapped in zip(on["ranks"], off["ranks"]):
+        stages = [row["stage"] for row in rank["iterations"]]
+        first = stages.index("stable") if "stable" in stages else len(stages)
+        assert len(stages) - first >= min_stable_iterations, (rank["rank"], stages)
+        assert set(stages[first:]) == {"stable"}, (rank["rank"], stages)
+        stable = rank["iterations"][first:]
+        assert all(row["passive_swaps"] == 0 for row in stable), (rank["rank"], stable)
+        assert all(row["sequence_change_kind"] == "identical" for row in stable), (rank["rank"], stable)
+        warmup_swapped = rank["iterations"][0]["swap_out_bytes"]
+        assert all(row["swap_out_bytes"] < warmup_swapped for row in stable), (rank["rank"], stable)
+        if unswapped["peak_device_bytes"] > rank["capacity_bytes"]:
+            assert all(row["swap_out_bytes"] > 0 for row in stable), (rank["rank"], stable)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] not in LAUNCHERS:
         raise SystemExit(f"usage: rank_batch.py {{{','.join(LAUNCHERS)}}} RUNS.json RESULTS.json")

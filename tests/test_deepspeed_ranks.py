@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rank_batch import completed, run_jobs
+from tests.rank_batch import assert_settled_in_stable, completed, run_jobs
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.ranks  # (NOTE [The multi-rank tier] in tests/conftest.py)
@@ -94,18 +94,8 @@ def test_layout_trains_bit_identically_within_capacity(results, name):
 def test_every_rank_reaches_stable_and_stays(results, name):
     """Every rank settles in Stable after its trials and stays, with no passive swap and a policy that swaps
     less than WarmUp's swap-everything (none on a rank that fits; the bit-identical training is asserted above)."""
-    on, off = completed(results[f"{name}-on"]), completed(results[f"{name}-off"])
-    for rank, unswapped in zip(on["ranks"], off["ranks"]):
-        stages = [row["stage"] for row in rank["iterations"]]
-        first = stages.index("stable") if "stable" in stages else len(stages)
-        assert len(stages) - first >= MIN_STABLE_ITERATIONS, (rank["rank"], stages)
-        assert set(stages[first:]) == {"stable"}, (rank["rank"], stages)
-        stable = rank["iterations"][first:]
-        assert all(row["passive_swaps"] == 0 for row in stable), (rank["rank"], stable)
-        warmup_swapped = rank["iterations"][0]["swap_out_bytes"]
-        assert all(row["swap_out_bytes"] < warmup_swapped for row in stable), (rank["rank"], stable)
-        if unswapped["peak_device_bytes"] > rank["capacity_bytes"]:  # (a rank that fits needs no swap)
-            assert all(row["swap_out_bytes"] > 0 for row in stable), (rank["rank"], stable)
+    assert_settled_in_stable(completed(results[f"{name}-on"]), completed(results[f"{name}-off"]),
+                             MIN_STABLE_ITERATIONS)
 
 
 def test_the_layouts_are_what_they_say(results):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.rank_batch import completed, run_jobs
+from tests.rank_batch import assert_settled_in_stable, completed, run_jobs
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.ranks  # (NOTE [The multi-rank tier] in tests/conftest.py)
@@ -120,19 +120,8 @@ def test_every_rank_reaches_stable_and_stays(results, name):
     """The steady state is where users train: every rank settles in Stable after its trials and stays there,
     with no passive swap (each one a policy miss paid synchronously) and a policy that swaps less than
     WarmUp's swap-everything (none on a rank that fits), while training bit-identically (asserted above)."""
-    on, off = completed(results[f"{name}-on"]), completed(results[f"{name}-off"])
-    for rank, unswapped in zip(on["ranks"], off["ranks"]):
-        stages = [it["stage"] for it in rank["iterations"]]
-        first = stages.index("stable") if "stable" in stages else len(stages)
-        assert len(stages) - first >= MIN_STABLE_ITERATIONS, (rank["rank"], stages)
-        assert set(stages[first:]) == {"stable"}, (rank["rank"], stages)
-        stable = rank["iterations"][first:]
-        assert all(it["passive_swaps"] == 0 for it in stable), (rank["rank"], stable)
-        assert all(it["sequence_change_kind"] == "identical" for it in stable), (rank["rank"], stable)
-        warmup_swapped = rank["iterations"][0]["swap_out_bytes"]
-        assert all(it["swap_out_bytes"] < warmup_swapped for it in stable), (rank["rank"], stable)
-        if unswapped["peak_device_bytes"] > rank["capacity_bytes"]:  # (a rank that fits needs no swap)
-            assert all(it["swap_out_bytes"] > 0 for it in stable), (rank["rank"], stable)
+    assert_settled_in_stable(completed(results[f"{name}-on"]), completed(results[f"{name}-off"]),
+                             MIN_STABLE_ITERATIONS)
 
 
 def test_a_rank_squeezed_mid_iteration_is_relieved_inside_the_op_and_the_job_trains_on(results):
@@ -199,18 +188,22 @@ def test_routing_changes_what_each_iteration_holds(results):
     assert all(kind == "identical" for rank in kinds["pp2-on"] for kind in rank), kinds
 
 
-def test_a_failing_rank_ends_a_torchrun_job_in_bounded_time(tmp_path):
-    """Rank 1 raises inside its forward step of iteration 2 while rank 0 waits on it in the pipeline; the job
-    must end with rank 1's error, not hang in a collective."""
+def _torchrun_megatron(tmp_path, *args: str) -> tuple[str, float]:
+    """A real torchrun job of two pipeline stages that is meant to fail: its output and its wall time."""
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--nproc-per-node", "2", str(REPO / "launch" / "train_megatron.py"), "--pp", "2",
-               "--iterations", "4", "--fail-rank", "1", "--fail-iteration", "2", "--dist-timeout-s", "600"]
+               "--iterations", "4", "--dist-timeout-s", "600", *args]
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    elapsed_s = time.monotonic() - start
     assert done.returncode != 0
-    output = done.stdout + done.stderr
+    return done.stdout + done.stderr, time.monotonic() - start
+
+
+def test_a_failing_rank_ends_a_torchrun_job_in_bounded_time(tmp_path):
+    """Rank 1 raises inside its forward step of iteration 2 while rank 0 waits on it in the pipeline; the job
+    must end with rank 1's error, not hang in a collective."""
+    output, elapsed_s = _torchrun_megatron(tmp_path, "--fail-rank", "1", "--fail-iteration", "2")
     assert "[rank 1/2 tp 0/1 pp 1/2 dp 0/1] iteration 2 failed: RuntimeError: --fail-rank" in output, output[-4000:]
     assert elapsed_s < 180, elapsed_s  # far below the 600 s collective timeout: torchrun tore the job down
 
@@ -219,16 +212,8 @@ def test_an_unrecoverable_out_of_memory_with_chameleon_on_ends_a_torchrun_job_in
     """Chameleon on, and another tenant takes 50 MB of rank 1's 10 MB in iteration 3: nothing Chameleon frees can
     make room, and one rank cannot retry an iteration alone. Rank 1 must stop with ``RankOutOfMemoryError``
     naming its coordinates and the setting to change, and torchrun must end the job (rank 0 waits on it)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc-per-node", "2", str(REPO / "launch" / "train_megatron.py"), "--pp", "2",
-               "--iterations", "4", "--chameleon-device-capacity", "10MB", "--squeeze-rank", "1",
-               "--squeeze-iteration", "3", "--squeeze-bytes", "50MB", "--dist-timeout-s", "600"]
-    start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    elapsed_s = time.monotonic() - start
-    assert done.returncode != 0
-    output = done.stdout + done.stderr
+    output, elapsed_s = _torchrun_megatron(tmp_path, "--chameleon-device-capacity", "10MB", "--squeeze-rank", "1",
+                                           "--squeeze-iteration", "3", "--squeeze-bytes", "50MB")
     assert "RankOutOfMemoryError: rank 1/2 tp 0/1 pp 1/2 dp 0/1: out of memory in iteration 3" in output, output[-4000:]
     assert "--chameleon-device-capacity" in output and "Chameleon swapping is on" in output, output[-4000:]
     assert "iteration 3/4" not in output  # no rank finished the iteration
