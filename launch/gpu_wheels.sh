@@ -7,8 +7,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python_version="${GPU_PYTHON_VERSION:-3.12}"
-grep -qx '.whl/' .gitignore 2>/dev/null || grep -qx '/.whl/' .git/info/exclude 2>/dev/null \
-  || echo "/.whl/" >> .git/info/exclude
 mkdir -p .whl
 version() { .venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 wheels=()
