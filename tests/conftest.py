@@ -14,19 +14,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+
 # NOTE [The multi-rank tier]
-# Tests marked ``ranks`` start multi-rank jobs (torchrun-style process groups of 2-4 ranks, each importing
-# torch and a framework): minutes on a 2-core machine. The default run (the README's test command) leaves
-# them out, so that it stays a few minutes; ``.ci/run`` runs them after it (``pytest -m ranks``). A test
-# file named on the command line runs whole, its multi-rank tests included, and so does any ``-m``
-# expression that names the marker.
-def pytest_collection_modifyitems(config, items):
-    if "ranks" in (config.option.markexpr or ""):
-        return
-    named = {Path(arg.split("::")[0]).resolve() for arg in config.args if arg.split("::")[0].endswith(".py")}
-    kept, left = [], []
-    for item in items:
-        (left if item.get_closest_marker("ranks") and Path(str(item.path)).resolve() not in named else kept).append(item)
-    if left:
-        config.hook.pytest_deselected(items=left)
-        items[:] = kept
+# Tests marked ``multirank`` start multi-rank jobs (torchrun-style process groups of 2-4 ranks, each importing
+# torch and a framework): about 3 of the suite's 8 minutes on a 2-core machine. The README's test command runs
+# them with the rest; ``pytest -m "not multirank"`` is the quick run (about 5 minutes).

@@ -55,7 +55,7 @@ def test_the_layouts_are_the_multi_rank_tests_table():
 
 
 @needs_megatron
-@pytest.mark.ranks  # (two torchrun jobs: NOTE [The multi-rank tier] in tests/conftest.py)
+@pytest.mark.multirank  # (two torchrun jobs: NOTE [The multi-rank tier] in tests/conftest.py)
 def test_dry_run_reports_one_layout_bit_identical(tmp_path, capsys):
     out_path = tmp_path / "bench.json"
     results = bench_megatron.main(["--dry-run", "--json", str(out_path)])

@@ -20,7 +20,7 @@ import pytest
 from tests.rank_batch import assert_settled_in_stable, completed, run_jobs
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.ranks  # (NOTE [The multi-rank tier] in tests/conftest.py)
+pytestmark = pytest.mark.multirank  # (NOTE [The multi-rank tier] in tests/conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "deepspeed"

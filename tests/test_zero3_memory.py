@@ -15,7 +15,7 @@ import pytest
 from tests.rank_batch import completed, run_jobs
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.ranks  # (NOTE [The multi-rank tier] in tests/conftest.py)
+pytestmark = pytest.mark.multirank  # (NOTE [The multi-rank tier] in tests/conftest.py)
 
 ITERATIONS = 3
 TOLERANCE = 0.05  # of the full weights: what a forward may hold beyond plain DeepSpeed's (a held layer is 1/12)
