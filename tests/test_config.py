@@ -256,6 +256,9 @@ def test_all_problems_are_reported_together():
     [
         ({"enabled": "yes"}, "enabled: 'yes' is not valid: input should be a valid boolean; use true or false"),
         ({"enabled": 1}, "enabled: 1 is not valid: input should be a valid boolean"),
+        ({"executor": {"allow_recompute": "yes"}}, "executor.allow_recompute: 'yes' is not valid: input should be a "
+         "valid boolean"),
+        ({"executor": {"allow_recompute": 0}}, "executor.allow_recompute: 0 is not valid: input should be a valid boolean"),
         ({"executor": {"prefetch_depth": "2"}},
          "executor.prefetch_depth: '2' is not valid: input should be a valid integer; use a whole number >= 0"),
         ({"executor": {"max_oom_retries": 3.0}}, "executor.max_oom_retries: 3.0 is not valid: input should be a valid integer"),

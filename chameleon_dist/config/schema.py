@@ -190,7 +190,9 @@ class ProfilerConfig(_Section):
         json_schema_extra=_hint("use a whole number >= 1 (e.g. 5)"),
     )
     length_change: Ratio = Field(
-        0.05, gt=0, lt=1, description="Relative change of the operator-sequence length that counts as a change.",
+        0.05, gt=0, lt=1, description="Relative change that counts: the number of ops and the bytes saved for "
+        "backward both changing by it is a new program (sequence_changed, a new policy); the saved bytes alone, "
+        "rescaled; the ops alone, rerouted (the policy applies).",
         json_schema_extra=_hint("use a fraction in (0, 1) such as 0.05"),
     )
     cosine_threshold: Ratio = Field(
@@ -274,7 +276,7 @@ class ExecutorConfig(_Section):
         json_schema_extra=_hint("use a whole number >= 0 (e.g. 3)"),
     )
     allow_recompute: bool = Field(
-        True, description="Policies may rebuild a saved tensor from its producer's inputs in backward instead of "
+        True, strict=True, description="Policies may rebuild a saved tensor from its producer's inputs in backward instead of "
         "swapping it (exactly recomputable ops only); false = swap only.",
     )
 

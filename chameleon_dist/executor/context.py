@@ -96,5 +96,5 @@ class SwapCounters:
     recomputed_storages: int = 0
     recompute_unavailable: int = 0  # planned recomputes whose producer was not found exactly: kept instead
     # (op count, "out" | "release" | "in", save ordinal) of each placed point the executor carried out, in
-    # order: what the policy's simulator predicted, as it ran (NOTE [Placed swaps] in executor/swap.py)
+    # order: what the policy's simulator predicted, as it ran (NOTE [Placed swaps] in executor/schedule.py)
     placed: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)

@@ -85,7 +85,7 @@ class PolicyMatcher:
         }
         self._entry_ordinals = sorted(self._by_ordinal)
         # per micro-batch, the traced op where its backward pass began (its earliest backward use): a
-        # swap-out placed before it belongs to the forward pass (NOTE [Placed swaps] in swap.py)
+        # swap-out placed before it belongs to the forward pass (NOTE [Placed swaps] in schedule.py)
         self.backward_start: dict[int, int] = {}
         for e in self._by_ordinal.values():
             start = self.backward_start.get(e.micro_batch)

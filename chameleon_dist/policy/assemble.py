@@ -1,7 +1,7 @@
 """From a simulated selection to the ``Policy`` the executor applies.
 
 The generator decides *what* leaves the device and *when*; this module writes it down the way the executor
-and the controller need it: each entry's matching features (save ordinals, see NOTE [Save-ordinal
+and the controller need it: each entry's matching features (save ordinals, see NOTE [Save-site
 matching] in executor/matching.py; the saving op and the tensor's argument position), its triggers and
 predictions, the bytes and copy seconds per logical layer, and, when the predicted peak stays above the
 budget, why (``Policy.infeasibility`` for code, ``Policy.reason`` for people).

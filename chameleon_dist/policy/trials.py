@@ -6,9 +6,8 @@ calls them. They live apart so that the rules a tight budget depends on are in o
 - **Order.** Policies predicted to fit are tried, fastest predicted first. When none is (a budget just
   under the peak on a slow link: the generator says the link cannot move enough in time), every policy
   is tried, the smallest predicted shortfall first: passive swap absorbs the remainder, and the trial
-  measures whether that beats swapping every eligible tensor. Before this, one such policy that failed
-  meant swapping everything for good, 12-23x the unconstrained time to save a fraction of a percent of
-  memory (issue 13).
+  measures whether that beats swapping every eligible tensor (rather than swapping everything for good
+  after one such policy failed, 12-23x the unconstrained time to save a fraction of a percent of memory).
 - **Held.** A trial holds when it completed without an out-of-memory retry and its peak stayed within what
   a policy must stay under. A policy predicted to fit must also need no passive swap (one that did
   missed, and the next policies aim lower by what it missed); a policy predicted short was tried knowing

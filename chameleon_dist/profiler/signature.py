@@ -12,7 +12,7 @@ similarity of their *op-pair profiles* (how often each op follows each other op;
 anywhere changes only the pairs at its two ends, so a skipped expert or an extra op barely moves it while
 a different program does), and the relative change of the bytes saved for backward. Then:
 
-- **changed** (a new program; the paper's test, re-planning follows): the profile cosine is below
+- **changed** (a new program, re-planning follows): the profile cosine is below
   ``cosine_threshold``, or the number of ops *and* the saved bytes both changed by at least
   ``length_change`` (more or less work on more or less data: an added branch, another micro-batch);
 - **rescaled**: the saved bytes changed by at least ``length_change`` with the same ops (a sequence length
@@ -66,7 +66,7 @@ class OpVocabulary:
 class OpListener(Protocol):
     """Hears the op clock: ``on_op(n)`` once ``n`` ops of the iteration have run, when ``n >= due_op``
     (the swap executor's placed swap-outs, releases and swap-ins; NOTE [Placed swaps] in
-    executor/swap.py). The comparison is all an op with nothing due costs. While ``captures_producers``,
+    executor/schedule.py). The comparison is all an op with nothing due costs. While ``captures_producers``,
     it also hears every op with its arguments and result (the producers of tensors a policy recomputes)."""
 
     due_op: int

@@ -22,7 +22,7 @@ class TransitionCause(enum.StrEnum):
 
     PROFILED = "profiled"  # the WarmUp iterations are done
     TRIALS_DONE = "trials_done"  # every policy trial of GenPolicy ran
-    SEQUENCE_CHANGED = "sequence_changed"  # the paper's test: a new policy is needed
+    SEQUENCE_CHANGED = "sequence_changed"  # a new program (profile cosine or ops and saved bytes): a new policy
     PASSIVE_SWAP = "passive_swap"  # the device ran out of memory under the applied policy
     OVER_BUDGET = "over_budget"  # a Stable iteration peaked above the memory budget
 
