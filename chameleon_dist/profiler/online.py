@@ -110,13 +110,11 @@ class OnlineProfiler:
         ids: list[int] = []
         if stage == Stage.WARMUP:
             recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated,
-                                     self.scope, timer=self.timer(), micro_batches=self.micro_batches)
-            recorder.signature_ids = ids
+                                     self.scope, timer=self.timer(), micro_batches=self.micro_batches,
+                                     signature_ids=ids, on_write=on_write, listener=listener)
             for model in models:
                 recorder.watch_modules(model)
             mode = recorder
-            recorder.on_write = on_write
-            recorder.listener = listener
         else:
             recorder = None
             mode = SignatureMode(self.vocabulary, self.scope, ids, on_write, listener)

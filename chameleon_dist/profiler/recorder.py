@@ -48,6 +48,9 @@ class TraceRecorder(TorchDispatchMode):
         scope: TrainingScope | None = None,
         timer: DeviceTimer | None = None,
         micro_batches: MicroBatchClock | None = None,
+        signature_ids: list[int] | None = None,
+        on_write: Callable[[list[torch.Tensor]], None] | None = None,
+        listener: OpListener | None = None,
     ) -> None:
         super().__init__()
         self._micro_batches = micro_batches if micro_batches is not None else MicroBatchClock()
@@ -68,8 +71,8 @@ class TraceRecorder(TorchDispatchMode):
         self._replays_exactly = ReplayJudge()
         self.module_paths: list[str] = []
         self.optimizer_active = False
-        self.on_write: Callable[[list[torch.Tensor]], None] | None = None  # hears of in-place writes
-        self.listener: OpListener | None = None  # hears the op clock (see signature.OpListener)
+        self.on_write = on_write  # hears of in-place writes
+        self.listener = listener  # hears the op clock (see signature.OpListener)
         self._written = WrittenTensors()
         self._tensor_ids: dict[tuple, int] = {}
         # storage address -> (storage id, weak reference): an address is reused once its storage died, and
@@ -86,7 +89,7 @@ class TraceRecorder(TorchDispatchMode):
         self._handles: list = []
         self._finished = False
         self._swap_base = 0  # swap indices handed out before the latest ``new_attempt`` (stale from then on)
-        self.signature_ids: list[int] | None = None  # when set, the signature is taken here too (one mode)
+        self.signature_ids = signature_ids  # when given, the signature is taken here too (one mode)
 
     def new_attempt(self) -> None:
         """An out-of-memory retry starts the iteration over: forget what the failed attempt recorded (ops,
