@@ -95,7 +95,11 @@ class Patch:
 
 
 def fingerprint_of(obj: Any) -> str:
-    """A short sha256 of ``obj``'s source (or of its signature when it has no Python source)."""
+    """A short sha256 of ``obj``'s source (or of its signature when it has no Python source; a mapping, such as
+    a class's dispatch table, by the qualified names of its keys and values)."""
+    if isinstance(obj, dict):
+        text = "\n".join(sorted(f"{_qualified(key)} -> {_qualified(value)}" for key, value in obj.items()))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX_CHARS]
     try:
         text = textwrap.dedent(inspect.getsource(obj))
     except (OSError, TypeError):
@@ -103,6 +107,16 @@ def fingerprint_of(obj: Any) -> str:
             text = repr(inspect.signature(obj))
         except (TypeError, ValueError):
             text = f"{type(obj).__module__}.{type(obj).__qualname__}:{getattr(obj, '__qualname__', '')}"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX_CHARS]
+
+
+def _qualified(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', type(obj).__module__)}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def fingerprint_of_all(objects: Iterable[Any]) -> str:
+    """One short sha256 over :func:`fingerprint_of` of each of ``objects``, in order."""
+    text = "\n".join(fingerprint_of(obj) for obj in objects)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:FINGERPRINT_HEX_CHARS]
 
 
@@ -143,22 +157,30 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def problems_with(patch: Patch) -> tuple[str, ...]:
-    """Every reason ``patch`` cannot be applied to the installed packages (empty when it can)."""
-    where = f"patch {patch.name!r} on {patch.target} (defined in {patch.defined_in})"
-    found = installed_version(patch.package)
+def _version_problem(where: str, package: str, versions: str, kind: str) -> tuple[str | None, str | None]:
+    """(installed version, problem): the problem is None when ``package`` is installed inside ``versions``."""
+    found = installed_version(package)
     if found is None:
-        return (f"{where}: package {patch.package!r} is not installed; it supports {patch.package}{patch.versions}",)
+        return None, f"{where}: package {package!r} is not installed; it supports {package}{versions}"
     try:
-        in_range = SpecifierSet(patch.versions).contains(Version(found), prereleases=True)
+        in_range = SpecifierSet(versions).contains(Version(found), prereleases=True)
     except InvalidVersion:
         in_range = False
     if not in_range:
-        return (
-            f"{where}: installed {patch.package} {found} is outside the supported range "
-            f"{patch.versions!r}; install {patch.package}{patch.versions}, or re-review the patch for "
-            f"{found} and update its `versions`",
+        return found, (
+            f"{where}: installed {package} {found} is outside the supported range "
+            f"{versions!r}; install {package}{versions}, or re-review the {kind} for "
+            f"{found} and update its `versions`"
         )
+    return found, None
+
+
+def problems_with(patch: Patch) -> tuple[str, ...]:
+    """Every reason ``patch`` cannot be applied to the installed packages (empty when it can)."""
+    where = f"patch {patch.name!r} on {patch.target} (defined in {patch.defined_in})"
+    found, problem = _version_problem(where, patch.package, patch.versions, "patch")
+    if problem is not None:
+        return (problem,)
     try:
         resolved = _resolve(patch.target)
     except (ImportError, AttributeError) as exc:
@@ -299,3 +321,112 @@ def _mark(replacement: Any, patch: Patch, original: Any) -> None:
             f"patch {patch.name!r}: make_replacement must return an object that accepts attributes "
             f"(e.g. a plain function), got {type(replacement).__name__} (defined in {patch.defined_in})"
         ) from exc
+
+
+INSTANCE_CHANGE_KINDS = ("wraps", "replaces", "writes", "calls", "reads")
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceChange:
+    """Sibling of :class:`Patch` for what an integration changes on *objects* of a framework (the class and its
+    module stay untouched): a bound method wrapped on an instance, an instance attribute replaced, private state
+    written, a private method called, or private state read. Data only; the integration does the change itself,
+    after :func:`verify_instance_changes` passed.
+
+    ``owner`` is ``"module.path:Class"`` (or a module, for module-level state) whose objects are changed;
+    ``attributes`` the names changed on them; ``how`` one of :data:`INSTANCE_CHANGE_KINDS`;
+    ``relies_on`` the upstream code (``"module.path:Qual.name"``) the change was reviewed against, whose
+    :func:`fingerprint_of_all` is ``fingerprint``; ``defined_in`` the module that makes the change.
+    """
+
+    name: str
+    owner: str
+    attributes: tuple[str, ...]
+    how: str
+    relies_on: tuple[str, ...]
+    package: str
+    versions: str
+    why: str
+    remove_when: str
+    fingerprint: str
+    defined_in: str
+
+    def __post_init__(self) -> None:
+        if self.how not in INSTANCE_CHANGE_KINDS:
+            raise ValueError(f"InstanceChange {self.name!r}: `how` must be one of {INSTANCE_CHANGE_KINDS}, got {self.how!r}")
+        if not self.attributes or not all(a.strip() for a in self.attributes):
+            raise ValueError(f"InstanceChange {self.name!r}: `attributes` must name at least one attribute")
+        for target in self.relies_on:
+            module, sep, attrs = target.partition(":")
+            if not (module and sep and attrs and all(attrs.split("."))):
+                raise ValueError(f"InstanceChange {self.name!r}: `relies_on` entries must look like "
+                                 f"'module.path:Attr.sub_attr', got {target!r}")
+        if not self.relies_on:
+            raise ValueError(f"InstanceChange {self.name!r}: `relies_on` must name the upstream code it relies on")
+        try:
+            SpecifierSet(self.versions)
+        except InvalidSpecifier as exc:
+            raise ValueError(
+                f"InstanceChange {self.name!r}: `versions` {self.versions!r} is not a PEP 440 specifier ({exc})"
+            ) from exc
+        for field in ("name", "owner", "package", "why", "remove_when", "fingerprint", "defined_in"):
+            if not getattr(self, field).strip():
+                raise ValueError(f"InstanceChange {self.name!r}: `{field}` must not be empty")
+
+
+def _resolve_owner(owner: str) -> Any:
+    module_name, _, attr_path = owner.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split(".") if attr_path else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _code_at(target: str) -> Any:
+    """The upstream object at ``target``; for a function behind a decorator that does not keep ``__wrapped__``
+    (DeepSpeed's ``instrument_w_nvtx``), the decorated function itself, whose source is the code relied on."""
+    obj = upstream_original(_resolve(target).value)
+    name = target.rpartition(".")[2].rpartition(":")[2]
+    if inspect.isfunction(obj) and obj.__name__ != name:
+        inner = [cell.cell_contents for cell in obj.__closure__ or ()
+                 if inspect.isfunction(cell.cell_contents) and cell.cell_contents.__name__ == name]
+        if len(inner) == 1:
+            return inner[0]
+    return obj
+
+
+def relied_on_code(change: InstanceChange) -> tuple[Any, ...]:
+    """The upstream objects ``change.relies_on`` names (raises ImportError/AttributeError when one moved)."""
+    return tuple(_code_at(target) for target in change.relies_on)
+
+
+def problems_with_change(change: InstanceChange) -> tuple[str, ...]:
+    """Every reason ``change`` must not be made on the installed packages (empty when it may)."""
+    where = (f"instance change {change.name!r} ({change.how} {', '.join(change.attributes)} on {change.owner} "
+             f"objects, in {change.defined_in})")
+    found, problem = _version_problem(where, change.package, change.versions, "change")
+    if problem is not None:
+        return (problem,)
+    try:
+        _resolve_owner(change.owner)
+        code = relied_on_code(change)
+    except (ImportError, AttributeError) as exc:
+        return (
+            f"{where}: {change.owner} or the code it relies on ({', '.join(change.relies_on)}) is not found in "
+            f"{change.package} {found} ({type(exc).__name__}: {exc}); the upstream code moved: re-review the change",
+        )
+    actual = fingerprint_of_all(code)
+    if actual != change.fingerprint:
+        return (
+            f"{where}: the code it relies on ({', '.join(change.relies_on)}) changed upstream ({change.package} "
+            f"{found}): recorded fingerprint {change.fingerprint}, found {actual}; re-review the change and "
+            "update its fingerprint",
+        )
+    return ()
+
+
+def verify_instance_changes(changes: Iterable[InstanceChange]) -> None:
+    """Raise :class:`PatchRefused` listing every problem of ``changes``; return quietly if there are none."""
+    problems = [problem for change in changes for problem in problems_with_change(change)]
+    if problems:
+        raise PatchRefused(problems)
