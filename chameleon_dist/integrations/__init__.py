@@ -5,7 +5,7 @@ Importing this package imports no framework; the submodules that need one import
 
 from __future__ import annotations
 
-from chameleon_dist.patching import Patch
+from chameleon_dist.patching import InstanceChange, Patch
 
 
 def defined_patches() -> tuple[Patch, ...]:
@@ -15,3 +15,10 @@ def defined_patches() -> tuple[Patch, ...]:
     from chameleon_dist.integrations.megatron.schedule import SCHEDULE_PATCHES
 
     return (*CPU_PATCHES, *SCHEDULE_PATCHES, *DEEPSPEED_CPU_PATCHES)
+
+
+def defined_instance_changes() -> tuple[InstanceChange, ...]:
+    """Every change the integrations make on framework objects (definitions only; nothing is changed)."""
+    from chameleon_dist.integrations.deepspeed.upstream import INSTANCE_CHANGES as DEEPSPEED_INSTANCE_CHANGES
+
+    return DEEPSPEED_INSTANCE_CHANGES

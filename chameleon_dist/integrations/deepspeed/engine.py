@@ -48,6 +48,7 @@ from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.loaders import config_from_deepspeed
 from chameleon_dist.integrations.deepspeed.buffers import track_engine_buffers
 from chameleon_dist.integrations.deepspeed.protect import protect_engine_buffers, protect_gathered_parameters
+from chameleon_dist.integrations.deepspeed.upstream import verify_deepspeed
 from chameleon_dist.integrations.deepspeed.replay import (
     ReplayIterator, WindowDiscardedOutOfMemoryError, WindowStart, reset_window,
 )
@@ -229,8 +230,10 @@ class DeepSpeedChameleon(Chameleon):
             RuntimeError: a window is already open (a forward ran outside ``run_window``), or the engine is a
                 ``PipelineEngine`` (its ``train_batch`` replays by itself).
         """
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
         engine = self._engine
-        if hasattr(engine, "train_batch") and hasattr(engine, "pipe_buffers"):
+        if isinstance(engine, PipelineEngine):
             raise RuntimeError("run_window is for a plain DeepSpeedEngine: PipelineEngine.train_batch replays a "
                                "batch that runs out of memory by itself")
         managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
@@ -364,11 +367,13 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
 
 def install(engine: Any, config: ChameleonConfig) -> DeepSpeedChameleon:
     """Install a runtime with ``config`` on a built engine (``initialize`` does this for an enabled block);
-    returns it, also as ``engine.chameleon``. With ``enabled`` false the runtime only measures: nothing is
+    returns it, also as ``engine.chameleon``. The installed DeepSpeed is checked first (``upstream.py``): outside
+    the reviewed version range, or with changed upstream code, ``PatchRefused`` says so and nothing is touched. With ``enabled`` false the runtime only measures: nothing is
     swapped, the device meters every byte and runs out of memory at its capacity (the launchers' runs
     without Chameleon)."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    verify_deepspeed()  # (upstream.py: every DeepSpeed attribute changed below, checked before any is)
     runtime = DeepSpeedChameleon(config, _coordinates(engine))
     runtime.attach(engine.module)
     track_engine_buffers(runtime.device, engine)  # (what initialize made: a GPU's allocator counts it)

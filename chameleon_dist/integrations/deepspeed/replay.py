@@ -51,7 +51,7 @@ class WindowStart:
     """The engine counters and random state of a window's start; ``restore`` puts them back for a replay."""
 
     def __init__(self, engine: Any, device: Device) -> None:
-        self.counters = {name: getattr(engine, name) for name in _ENGINE_COUNTERS if hasattr(engine, name)}
+        self.counters = {name: getattr(engine, name) for name in _ENGINE_COUNTERS}  # (upstream.ENGINE_COUNTERS)
         timer = getattr(engine, "tput_timer", None)
         self.throughput = {name: getattr(timer, name) for name in _THROUGHPUT_COUNTERS if hasattr(timer, name)}
         self.random = RandomState(device)
@@ -222,25 +222,27 @@ def reset_window(engine: Any, start: WindowStart | None = None) -> None:
     boundary (managed accumulation; unmanaged, it only moves in ``step()``) and the backward count since the
     last ``step()`` to 0. ``start`` also restores the random state; without one it is left as it is.
     """
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
     _stop_timers(engine)
     _zero_grads(engine)
     optimizer = engine.optimizer
     _reset_hook_state(optimizer)
-    kind = type(optimizer).__name__
-    if kind == "DeepSpeedZeroOptimizer":
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
         _reset_zero_1_2(optimizer)
-    elif kind == "DeepSpeedZeroOptimizer_Stage3":
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         _reset_zero_3(optimizer, engine.module)
-    if hasattr(engine, "_running_engine_step"):
-        engine._running_engine_step = False
-    if hasattr(engine, "pipe_buffers"):
+    engine._running_engine_step = False
+    pipeline = isinstance(engine, PipelineEngine)
+    if pipeline:
         _reset_pipeline(engine)
     if start is not None:
         start.restore(engine)
-    elif not hasattr(engine, "pipe_buffers"):
-        if getattr(engine, "managed_gradient_accumulation", lambda: True)():
+    elif not pipeline:
+        if engine.managed_gradient_accumulation():
             engine.micro_steps -= engine.micro_steps % engine.gradient_accumulation_steps()
-        if hasattr(engine, "_unmanaged_backward_count"):  # unmanaged: each step() is a boundary
-            engine._unmanaged_backward_count = 0
-    logger.debug("reset the accumulation window of %s (%s): micro_steps %d", type(engine).__name__, kind,
-                 getattr(engine, "micro_steps", -1))
+        engine._unmanaged_backward_count = 0  # (unmanaged: each step() is a boundary)
+    logger.debug("reset the accumulation window of %s (%s): micro_steps %d", type(engine).__name__,
+                 type(optimizer).__name__, engine.micro_steps)
