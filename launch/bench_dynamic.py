@@ -58,14 +58,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from bench_executor import MIB, Variant, host_batch  # noqa: E402
-from device_clock import (  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.bench_executor import MIB, Variant, host_batch  # noqa: E402
+from launch.device_clock import (  # noqa: E402
     DeviceSpan, add_device_arguments, device_figures, host_bound_label, make_device, median_of, physical_bound,
 )
-from machine_info import run_benchmark  # noqa: E402
-from saved_activations import SavedActivations  # noqa: E402
-from toy_gpt import GPT, MoEFeedForward  # noqa: E402
+from launch.harness import report_fields, run_benchmark  # noqa: E402
+from launch.saved_activations import SavedActivations  # noqa: E402
+from launch.toy_gpt import GPT, MoEFeedForward  # noqa: E402
 
 import torch
 
@@ -152,8 +153,7 @@ class CaseVariant(Variant):
     def step(self, batch: torch.Tensor) -> dict:
         record = super().step(batch)
         r = self.chameleon.last_report
-        record.update(sequence_changed=r.sequence_changed, sequence_differs=r.sequence_differs, num_ops=r.num_ops,
-                      matched_fuzzy=r.matched_fuzzy)
+        record.update(report_fields(r, "sequence_changed", "sequence_differs", "num_ops", "matched_fuzzy"))
         if self.time_forward:
             record.update(forward_busy_s=self._forward["compute_busy_s"], forward_elapsed_s=self._forward["elapsed_s"])
         if self.note_saved:

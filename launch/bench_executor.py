@@ -58,14 +58,15 @@ import weakref
 from pathlib import Path
 from typing import Callable, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from device_clock import (  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.device_clock import (  # noqa: E402
     DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label,
     iteration_figures, make_device, median_of, physical_bound, restart_host_clock,
 )
-from machine_info import run_benchmark  # noqa: E402
-from saved_activations import SavedActivations  # noqa: E402
-from toy_gpt import GPT, forward_matmul_flop  # noqa: E402
+from launch.harness import quartiles, run_benchmark  # noqa: E402
+from launch.saved_activations import SavedActivations  # noqa: E402
+from launch.toy_gpt import GPT, forward_matmul_flop  # noqa: E402
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ from chameleon_dist.policy.model import Decision
 
 MIB = 2**20
 VARIANTS = ("unconstrained", "chameleon", "baseline", "save_on_cpu")
-WILLIAMS_4 = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))  # each variant before each other once
+WILLIAMS_4 = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))  # harness.balanced_orders(4): each before each other once
 SAVE_ON_CPU_LABEL = "save_on_cpu semantics emulated (synchronous copies, no prefetch)"
 # GPT shapes (``--shape``; --layers and the others override one value). "executor": this benchmark's own model
 # (~380 forward matmul FLOP per saved-activation byte). "llm-like": the most compute per saved byte a shared 2-core
@@ -353,7 +354,7 @@ def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int,
             "max_iteration_s": max(times),
             "ratio": statistics.median(ratios),  # paired per round, median over rounds
             "ratio_of_medians": statistics.median(times) / statistics.median(ref_times),
-            "ratio_iqr": _quartiles(ratios),
+            "ratio_iqr": quartiles(ratios),
             "median_stall_s": statistics.median(r["stall_s"] for r in rows),
             "stall_share": statistics.median(stall_shares),  # stall / unconstrained time of the same round
             "swap_out_mib": statistics.median(r["swap_out_bytes"] for r in rows) / MIB,
@@ -388,13 +389,6 @@ def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int,
             out[name]["ratio_stable"] = statistics.median(ratios[i] for i in stable) if stable else None
             out[name]["stall_share_stable"] = statistics.median(stall_shares[i] for i in stable) if stable else None
     return out
-
-
-def _quartiles(values: list[float]) -> list[float]:
-    if len(values) < 2:
-        return [values[0], values[0]]
-    q = statistics.quantiles(values, n=4)
-    return [q[0], q[2]]
 
 
 # ---- capacity -------------------------------------------------------------------------------------

@@ -56,10 +56,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from machine_info import finish, header, write_json  # noqa: E402
-from saved_activations import SavedActivations  # noqa: E402
-from toy_gpt import GPT  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.harness import VariantSpec, config_of, rotated, run_benchmark  # noqa: E402
+from launch.saved_activations import SavedActivations  # noqa: E402
+from launch.toy_gpt import GPT  # noqa: E402
 
 import torch
 from torch.nn import functional as F
@@ -75,6 +76,7 @@ from chameleon_dist.policy.model import Decision
 MIB, GIB = 2**20, 2**30
 VARIANTS = ("no_swap", "chameleon_swap", "chameleon_recompute", "save_on_cpu", "checkpoint")
 CHAMELEON = {"chameleon_swap": False, "chameleon_recompute": True}  # variant -> executor.allow_recompute
+SAVING = {"save_on_cpu": "save_on_cpu", "checkpoint": "checkpoint"}  # variant -> VariantSpec.saving (else "device")
 # (hidden, heads, seq) tried largest first by the automatic shape; then layers from --max-layers down
 AUTO_SHAPES = ((4096, 32, 4096), (4096, 32, 2048), (2048, 16, 2048), (1024, 8, 1024))
 AUTO_BATCHES = (2, 1)  # without --batch: two sequences where they fit (an H200), else one
@@ -190,6 +192,7 @@ class Variant:
     def __init__(self, name: str, model: GPT, args: argparse.Namespace, device: Device,
                  runtime: Chameleon | None = None) -> None:
         self.name = name
+        self.spec = VariantSpec(name, saving=SAVING.get(name, "device"))
         self.model = model
         self.device = device
         self.runtime = runtime
@@ -208,12 +211,12 @@ class Variant:
                 device.track(p.grad)
 
     def _closure(self, batch: torch.Tensor) -> tuple[Callable[[], torch.Tensor], CountingSaveOnCpu | None]:
-        saving = CountingSaveOnCpu(self.device) if self.name == "save_on_cpu" else None
+        saving = CountingSaveOnCpu(self.device) if self.spec.saving == "save_on_cpu" else None
 
         def closure() -> torch.Tensor:
             data = batch.clone()  # on the emulated device: arrives inside the iteration (metered)
             with saving if saving is not None else contextlib.nullcontext():
-                if self.name == "checkpoint":
+                if self.spec.saving == "checkpoint":
                     logits = forward_checkpointed(self.model, data[:, :-1])
                 else:
                     logits = self.model(data[:, :-1])
@@ -410,7 +413,7 @@ def play_rounds(variants: dict[str, Variant], shape: Shape, args: argparse.Names
             return False
         start_s = time.perf_counter()
         batch = batch_for(shape, args, r)
-        order = [VARIANTS[(i + r) % len(VARIANTS)] for i in range(len(VARIANTS))]
+        order = rotated(VARIANTS, r)
         orders.append(order)
         for name in order:
             variants[name].step(batch)
@@ -618,27 +621,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    started_s = time.perf_counter()
-    deadline_s = started_s + 60 * args.max_minutes
+    deadline_s = time.perf_counter() + 60 * args.max_minutes
     args.torch_device = torch.device("cpu" if args.dry_run else "cuda", None if args.dry_run else torch.cuda.current_device())
     args.torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+
+    def run_within_settings(args: argparse.Namespace) -> dict:
         attention = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if not args.dry_run and args.attention == "flash" \
             else contextlib.nullcontext()
         with Determinism(args.determinism) as determinism, attention:
             args.determinism_state = determinism
-            results = {**header("bench_gpu.py", argv, torch), "config": {
-                k: (str(v) if isinstance(v, (Path, torch.device, torch.dtype)) else v)
-                for k, v in vars(args).items() if k != "determinism_state"}}
-            results.update(run(args, deadline_s))
-        finish(results, started_s)
-    finally:
-        torch.set_num_threads(threads_before)
-    print_report(results)
-    write_json(args.json, results)
-    return results
+            return run(args, deadline_s)
+
+    config = config_of(args, as_text=(Path, torch.device, torch.dtype))
+    return run_benchmark("bench_gpu.py", argv, args, torch, run_within_settings, print_report, emulated=False,
+                         config=config)
 
 
 if __name__ == "__main__":

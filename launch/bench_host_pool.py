@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from machine_info import finish, header, write_json  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.harness import run_benchmark  # noqa: E402
 
 import torch
 from torch import nn
@@ -117,17 +117,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    started_s = time.perf_counter()
-    results = header("bench_host_pool.py", sys.argv[1:] if argv is None else argv, torch)
     print(f"host pool under changing shapes (EMULATED device, instant link, min_swap_bytes 0): "
           f"MLP LM {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; batch 1..{args.max_batch}, "
           f"seq 4..{args.max_seq} drawn every iteration (seed {args.seed})", flush=True)
-    results.update(run(args))
-    finish(results, started_s)
-    print(f"wall {results['wall_s']:.1f} s")
-    write_json(args.json, results)
+    run_benchmark("bench_host_pool.py", argv, args, torch, run, lambda r: print(f"wall {r['wall_s']:.1f} s"),
+                  emulated=False, config=False)
     return 0
 
 

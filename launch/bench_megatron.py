@@ -49,9 +49,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from compare_reports import compare, stable_window  # noqa: E402,F401  (stable_window: for the tests)
-from machine_info import run_benchmark  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.compare_reports import compare, stable_window  # noqa: E402,F401  (stable_window: for the tests)
+from launch.harness import run_benchmark  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -29,9 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from machine_info import finish, header, write_json  # noqa: E402
-from toy_gpt import GPT, MoEFeedForward  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.harness import config_of, run_benchmark  # noqa: E402
+from launch.toy_gpt import GPT, MoEFeedForward  # noqa: E402
 
 import torch
 from torch import nn
@@ -293,19 +294,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    started = time.perf_counter()
-    results = {
-        **header("bench_policy.py", argv, torch),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "llama_shape"},
+    return run_benchmark("bench_policy.py", argv, args, torch, run, print_report, emulated=False,
+                         config=config_of(args, skip=("llama_shape",)))
+
+
+def run(args: argparse.Namespace) -> dict:
+    return {
         "eq1": {"config": {k: getattr(args, k) for k in ("hidden", "heads", "seq", "batch", "vocab", "experts",
                                                             "top_k", "iterations", "warmup")},
                 "models": {kind: eq1_model(kind, args) for kind in ("dense", "moe")}},
         "generation": generation(args),
     }
-    finish(results, started)
-    print_report(results)
-    write_json(args.json, results)
-    return results
 
 
 if __name__ == "__main__":

@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -38,9 +35,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from machine_info import cpu_name  # noqa: E402
-from toy_gpt import GPT  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.harness import balanced_orders, quartiles, run_benchmark  # noqa: E402
+from launch.toy_gpt import GPT  # noqa: E402
 
 import torch
 from torch.nn import functional as F
@@ -180,24 +178,10 @@ def op_loop(variant: str, ops: int, vocabulary: OpVocabulary) -> float:
 
 
 # ---- measurement --------------------------------------------------------------------------------
-def balanced_orders(n: int) -> list[list[int]]:
-    """A Williams square: ``n`` orders of ``n`` variants in which every variant comes right after every other
-    one equally often (for even ``n``), so whatever a variant leaves behind (garbage, a cold cache, a
-    profiler's buffers) is charged to every other variant alike, not to the one that happens to follow it."""
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:
-        first.append(low)
-        low += 1
-        if len(first) < n:
-            first.append(high)
-            high -= 1
-    return [[(v + shift) % n for v in first] for shift in range(n)]
-
-
 def interleaved(run: Callable[[str], float], rounds: int, warmup: int) -> dict[str, list[float]]:
     """``warmup`` discarded rounds, then ``rounds`` rounds of every variant, in balanced orders."""
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    orders = balanced_orders(len(VARIANTS))
+    orders = balanced_orders(len(VARIANTS), mirror_odd=False)
     for r in range(warmup + rounds):
         if r == warmup:
             # Everything alive now (torch's lazily imported modules among it) goes to the permanent
@@ -213,13 +197,6 @@ def interleaved(run: Callable[[str], float], rounds: int, warmup: int) -> dict[s
     return times
 
 
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
-
-
 def summarise(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Per variant: median/min/max seconds; added = median of paired differences with the plain run of
     the same round (and their quartiles); ratio = 1 + added / plain median."""
@@ -228,7 +205,7 @@ def summarise(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     out = {}
     for variant, values in times.items():
         diffs = [v - p for v, p in zip(values, plain)]
-        q1, q3 = _quartiles(diffs)
+        q1, q3 = quartiles(diffs, method="inclusive")
         out[variant] = {
             "median_s": statistics.median(values),
             "min_s": min(values),
@@ -278,13 +255,6 @@ def verdict(value: float, interval: tuple[float, float], goal: float) -> str:
     return "MET (within noise)" if value <= goal else "NOT MET (within noise)"
 
 
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
@@ -314,19 +284,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    threads = torch.get_num_threads()
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        return _run(args)
+        return run_benchmark("bench_profiler.py", argv, parse_args(argv), torch, _run, print_report, emulated=False)
     finally:  # leave the calling process (a test run, say) as it was
-        torch.set_num_threads(threads)
         gc.unfreeze()
 
 
 def _run(args: argparse.Namespace) -> dict:
-    started, load_before = time.perf_counter(), _load()
     shape = dict(heads=args.heads, layers=args.layers, seq=args.seq, batch=args.batch, vocab=args.vocab,
                  saved_hooks=args.saved_hooks)
 
@@ -351,10 +316,6 @@ def _run(args: argparse.Namespace) -> dict:
     per_op_mix_us = {v: mix_times[v]["added_s"] / mix.ops_per_iteration * 1e6 for v in VARIANTS}
     plain_s = gpt[PLAIN]["median_s"]
     results = {
-        "machine": {"cpu": cpu_name(), "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "load_average_before": load_before, "load_average_after": _load()},
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": {"parameters": big.parameters, "ops_per_iteration": ops, "recorded_ops": big.recorded_ops,
                   "saved_tensors_noted": big.saved_tensors_noted, "mix_ops_per_iteration": mix.ops_per_iteration},
         "gpt_iteration": gpt,
@@ -374,12 +335,6 @@ def _run(args: argparse.Namespace) -> dict:
     for key in ("signature_ratio", "detailed_ratio"):
         results[f"{key}_verdict"] = verdict(results[key], results[f"{key}_90ci"], GOALS[key])
     results["gpt_iteration_raw_s"] = gpt_times
-    results["wall_s"] = time.perf_counter() - started
-    print_report(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"results written to {args.json}")
     return results
 
 

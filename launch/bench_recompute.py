@@ -30,14 +30,15 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from device_clock import (  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.device_clock import (  # noqa: E402
     DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label, iteration_figures,
     make_device, median_of, physical_bound, restart_host_clock,
 )
-from machine_info import run_benchmark  # noqa: E402
-from saved_activations import SavedActivations  # noqa: E402
-from swiglu_lm import SwiGLULM  # noqa: E402
+from launch.harness import report_fields, rotated, run_benchmark  # noqa: E402
+from launch.saved_activations import SavedActivations  # noqa: E402
+from launch.swiglu_lm import SwiGLULM  # noqa: E402
 
 import torch
 from torch.nn import functional as F
@@ -87,9 +88,8 @@ class Runner:
             restart_host_clock(device)
             loss = self.chameleon.run_iteration(closure, optimizer=self.optimizer)
             r = self.chameleon.last_report
-            record = {"iteration_s": r.iteration_s, "peak_bytes": r.peak_device_bytes, "stage": r.stage,
-                      "policy": r.policy, "swap_out_bytes": r.swap_out_bytes, "recomputed_bytes": r.recomputed_bytes,
-                      "stall_s": r.stall_s, "passive_swaps": r.passive_swaps,
+            record = {**report_fields(r, "iteration_s", "peak_bytes=peak_device_bytes", "stage", "policy",
+                                      "swap_out_bytes", "recomputed_bytes", "stall_s", "passive_swaps"),
                       **iteration_figures(r.iteration_s, r.stall_s, clock_delta(device, before), device)}
         else:
             device.reset_peak()
@@ -142,8 +142,8 @@ def run(args: argparse.Namespace) -> dict:
     rounds = args.warmup_rounds + args.rounds
     for r in range(rounds):
         batch = batch_for(args, r)
-        for k in range(len(names)):  # rotate the order every round
-            runners[names[(r + k) % len(names)]].step(batch)
+        for name in rotated(names, r):  # the order rotates every round
+            runners[name].step(batch)
         if args.verbose:
             print(f"round {r:3d} " + " ".join(f"{n} {runners[n].records[-1]['iteration_s']:.3f}" for n in names)
                   + " | " + " ".join(f"{n} {runners[n].records[-1]['stage']}" for n in names

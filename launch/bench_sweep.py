@@ -56,14 +56,15 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/ helpers, also when loaded by path
-from bench_executor import (  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.bench_executor import (  # noqa: E402
     MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, add_moved_shares, apply_shape,
     baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes,
     measure_unswapped, model_flop, plan_capacity, print_device, summarize,
 )
-from device_clock import add_device_arguments, device_figures, host_bound_label, make_device  # noqa: E402
-from machine_info import run_benchmark  # noqa: E402
+from launch.device_clock import add_device_arguments, device_figures, host_bound_label, make_device  # noqa: E402
+from launch.harness import balanced_orders, run_benchmark  # noqa: E402,F401  (balanced_orders: for the tests)
 
 import torch
 
@@ -94,21 +95,6 @@ def sweep_variant_configs(args: argparse.Namespace) -> dict[str, dict | None]:
     return {"unconstrained": {"enabled": False}, SWAP_ONLY: chameleon_config(args, allow_recompute=False),
             SWAP_RECOMPUTE: chameleon_config(args, allow_recompute=True), "baseline": baseline_config(args),
             "save_on_cpu": None}
-
-
-def balanced_orders(n: int) -> list[tuple[int, ...]]:
-    """Williams design: orders of ``n`` variants in which each one comes right before each other equally often
-    (n orders for even n, 2n for odd n). For n = 4 it is bench_executor's WILLIAMS_4."""
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:
-        if len(first) % 2:
-            first.append(low)
-            low += 1
-        else:
-            first.append(high)
-            high -= 1
-    rows = [tuple((x + i) % n for x in first) for i in range(n)]
-    return rows + [row[::-1] for row in rows] if n % 2 else rows
 
 
 def is_fallback(record: dict) -> bool:

@@ -37,9 +37,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-from compare_reports import compare, stable_window  # noqa: E402
-from machine_info import header  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.compare_reports import compare, stable_window  # noqa: E402
+from launch.harness import header  # noqa: E402
 
 TAIL_CHARS = 4000
 BENCH_MAX_MINUTES = 3.0

@@ -35,10 +35,11 @@ from torch import nn
 from torch.nn import functional as F
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from cuda_ranks import rank_cuda_setup  # noqa: E402
-from rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
-from toy_gpt import Block, MoEFeedForward  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.cuda_ranks import rank_cuda_setup  # noqa: E402
+from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
+from launch.toy_gpt import Block, MoEFeedForward  # noqa: E402
 
 from chameleon_dist.config.loaders import config_from_deepspeed  # noqa: E402
 from chameleon_dist.units import format_bytes  # noqa: E402

@@ -28,9 +28,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_ranks import rank_cuda_setup  # noqa: E402
-from rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
+if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch.cuda_ranks import rank_cuda_setup  # noqa: E402
+from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
 
 from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args  # noqa: E402
 from chameleon_dist.config.sizes import parse_size_bytes  # noqa: E402

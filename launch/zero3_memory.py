@@ -33,8 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)

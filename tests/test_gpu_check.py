@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
-
-import cuda_ranks  # noqa: E402
-import gpu_check  # noqa: E402
+from launch import cuda_ranks, gpu_check  # noqa: E402
 
 
 def test_one_gpu_per_rank_takes_its_own_with_nccl():

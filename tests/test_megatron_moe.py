@@ -122,11 +122,8 @@ def test_moe_misuse_names_the_setting(kwargs, names):
 
 @pytest.fixture(scope="module")
 def launcher():
-    sys.path.insert(0, str(REPO / "launch"))
-    try:
-        import train_megatron
-    finally:
-        sys.path.remove(str(REPO / "launch"))
+    from launch import train_megatron
+
     return train_megatron
 
 

@@ -223,8 +223,7 @@ def test_an_unrecoverable_out_of_memory_with_chameleon_on_ends_a_torchrun_job_in
 def test_the_readme_commands_are_the_tested_layouts():
     """The README's torchrun lines run exactly what these tests run (with the launcher's defaults for the
     model size; the tests only ask for fewer iterations)."""
-    sys.path.insert(0, str(REPO / "launch"))
-    import train_megatron
+    from launch import train_megatron
 
     readme = (REPO / "README.md").read_text().split("### The launcher: `launch/train_megatron.py`", 1)[1]
     commands = [line.split("#")[0].split() for line in readme.splitlines()
