@@ -4,14 +4,15 @@ Pre-norm blocks (layer norm, fused QKV projection, causal ``scaled_dot_product_a
 projection, residual; layer norm, GELU MLP, residual), token embedding, final norm and an untied head. Blocks
 live at ``layers.<i>``: the recorder times them and the policy generator's logical layers follow them.
 
-The benchmarks built three variants of this model before it was shared; the keyword options reproduce each
-one exactly (parameter names and registration order, hence ``parameters()`` order and the optimizer's op
-order; the order in which parameters draw from the RNG after ``torch.manual_seed``, hence their values; the
-ops of the forward pass):
+The keyword options are the ones the benchmarks and tests use (each fixes parameter names and registration
+order, hence ``parameters()`` order and the optimizer's op order, and the order in which parameters draw from
+the RNG after ``torch.manual_seed``, hence their values):
 
     bench_profiler.py: GPT(vocab, hidden, heads, layers, positions=seq, norms_first=False)
-    bench_executor.py: GPT(vocab, hidden, heads, layers)
+    bench_executor.py, bench_gpu.py: GPT(vocab, hidden, heads, layers)
     bench_policy.py:   GPT(vocab, hidden, heads, layers, mlp_module=True, experts=..., top_k=...)
+    bench_dynamic.py, tests/test_dynamic_sequences.py: GPT(..., experts=..., top_k=2, skip_idle_experts=True)
+    train_deepspeed.py: Block and MoEFeedForward
 """
 
 from __future__ import annotations
