@@ -260,7 +260,9 @@ def test_a_graph_left_from_a_failed_attempt_gives_its_memory_to_the_retry(swappe
     on it afterwards is an error, never stale data."""
     from chameleon_dist.executor import IterationContext, SwapExecutor
 
-    device = EmulatedDevice(2**30)
+    # (a fixed device model: with this CPU's measured rates the forward's kernels can still be running on the
+    # device clock at the retry, and a host buffer is in use until the copy into it has run, as on a GPU)
+    device = EmulatedDevice(2**30, preset="h100-pcie", host_op_s=2e-5)
     model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
     device.track_module(model)
     executor = SwapExecutor(device, min_swap_bytes=1024 if swapped else 2**40)
