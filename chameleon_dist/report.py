@@ -1,9 +1,38 @@
-"""``IterationReport``: what one training iteration did, as the runtime saw it."""
+"""``IterationReport``: what one training iteration did, as the runtime saw it.
+
+The report nests the records its parts made: the executor's counts (``swaps``, a ``SwapFigures``), the
+profiler's comparison with the reference sequence (``comparison``) and the stage machine's move
+(``transition``). ``to_dict()`` flattens them into the JSON keys reports always had; the most-read values
+are also attributes of the report itself (``report.passive_swaps`` is ``report.swaps.passive_swaps``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the report imports none of the parts it describes
+    from chameleon_dist.executor.context import SwapFigures
+    from chameleon_dist.profiler.signature import Comparison
+    from chameleon_dist.trace.stages import Transition
+
+# The order of ``to_dict()``'s keys: the one reports always had (keys not named here follow at the end).
+_JSON_ORDER = (
+    "iteration", "enabled", "stage", "peak_device_bytes", "capacity_bytes", "memory_budget_bytes", "swap_out_bytes",
+    "swap_in_bytes", "swapped_storages", "prefetched", "kept_on_device_bytes", "host_pool_bytes", "stall_s",
+    "iteration_s", "policy_version", "num_ops", "sequence_changed", "sequence_change_major", "sequence_cosine",
+    "sequence_length_change", "saved_bytes_change", "stage_transition", "passive_swaps", "oom_retries", "emulated",
+    "pressure_waits", "policy", "matched_exact", "matched_fuzzy", "unmatched", "on_demand_fetches", "sequence_differs",
+    "reused_original_bytes", "delayed_swap_outs", "late_swap_outs", "recomputed_bytes", "recompute_unavailable",
+    "sequence_change_kind", "skipped_entries", "tightened_in_place", "failed", "error", "evicted_prefetches", "rank",
+    "host_memory_budget_bytes", "iteration_s_lag",
+)
+
+_NESTED = ("swaps", "comparison", "transition")  # flattened by ``to_dict``
+
+
+def _swap_figure(name: str) -> property:
+    return property(lambda self: getattr(self.swaps, name), doc=f"``swaps.{name}`` (read-only)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -11,19 +40,27 @@ class IterationReport:
     """One iteration. Byte counts are device bytes unless named ``host``; ``emulated`` marks CPU figures.
 
     ``stage`` is the stage the iteration ran in ("warmup", "gen_policy", "stable"). ``num_ops`` is the
-    number of aten ops in its signature. Compared with the reference sequence (the one the policy is
-    built from), ``sequence_change_kind`` classifies the difference (``profiler.signature.ChangeKind``:
-    "identical", "absorbed", "rerouted" (other ops on the same data: skipped experts), "rescaled" (the
-    same ops on other sizes: a sequence length or batch size change) or "changed"), and
-    ``sequence_changed`` is true for "changed", a new program: the op-pair profiles of the autograd ops
-    are less cosine-similar than ``profiler.cosine_threshold``, or the number of autograd ops and the
-    bytes saved for backward both changed by at least ``profiler.length_change`` (in GenPolicy and
-    Stable it sends the runtime back to WarmUp). ``sequence_cosine`` is that op-pair cosine.
-    ``sequence_differs`` is true for any difference at all (an op, the order, an op outside autograd, a
-    saved size), also one the policy absorbs; it is reported only. ``sequence_change_major`` is the older
-    name of ``sequence_changed`` and always equals it. ``tightened_in_place`` says a Stable iteration went
-    over the memory budget within the capacity and the policy was made stricter without leaving Stable.
-    ``stage_transition`` says what changed stage after this iteration, and why.
+    number of aten ops in its signature. ``swaps`` holds what the executor did (``SwapFigures``: bytes
+    swapped, matches, passive swaps, ...; each also readable as ``report.<name>``).
+
+    ``comparison`` is the profiler's comparison with the reference sequence (the one the policy is built
+    from; None for a failed iteration, which is not compared), read through these properties:
+    ``sequence_change_kind`` classifies the difference (``profiler.signature.ChangeKind``: "identical",
+    "absorbed", "rerouted" (other ops on the same data: skipped experts), "rescaled" (the same ops on other
+    sizes: a sequence length or batch size change) or "changed"), and ``sequence_changed`` is true for
+    "changed", a new program: the op-pair profiles of the autograd ops are less cosine-similar than
+    ``profiler.cosine_threshold``, or the number of autograd ops and the bytes saved for backward both
+    changed by at least ``profiler.length_change`` (in GenPolicy and Stable it sends the runtime back to
+    WarmUp). ``sequence_cosine`` is that op-pair cosine. ``sequence_differs`` is true for any difference at
+    all (an op, the order, an op outside autograd, a saved size), also one the policy absorbs; it is
+    reported only. ``tightened_in_place`` says a Stable iteration went over the memory budget within the
+    capacity and the policy was made stricter without leaving Stable. ``transition`` is what changed
+    stage after this iteration, and why; ``stage_transition`` the same as one line
+    ("stable -> warmup: <reason>"), or None.
+
+    Deprecated: the JSON key ``sequence_change_major`` (``to_dict()``) is the older name of
+    ``sequence_changed`` and always equals it; it is no attribute any more, and the key goes in the next
+    release: read ``sequence_changed``.
 
     After an out-of-memory retry inside ``run_iteration`` (``oom_retries`` > 0), the counters (swaps,
     matches, ``passive_swaps``, ``pressure_waits``, ``kept_on_device_bytes``), ``num_ops`` and the
@@ -44,68 +81,106 @@ class IterationReport:
     peak_device_bytes: int
     capacity_bytes: int
     memory_budget_bytes: int
-    swap_out_bytes: int
-    swap_in_bytes: int
-    swapped_storages: int
-    prefetched: int
-    kept_on_device_bytes: int
     host_pool_bytes: int
     stall_s: float
     iteration_s: float
     policy_version: int
     num_ops: int
-    sequence_changed: bool  # a new program: a new policy is needed (see above)
-    sequence_change_major: bool  # == sequence_changed (older name)
-    sequence_cosine: float
-    sequence_length_change: float  # relative, among ops inside autograd
-    saved_bytes_change: float  # relative change of the bytes saved for backward
-    stage_transition: str | None
-    passive_swaps: int  # kept tensors swapped out synchronously because the device ran out of memory
     oom_retries: int
     emulated: bool
-    pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs (their time is stall)
+    swaps: SwapFigures  # what the executor did (the attempt that completed)
+    comparison: Comparison | None = None  # with the reference sequence; None: a failed iteration
+    transition: Transition | None = None  # what changed stage after this iteration, and why
     policy: str = ""  # the policy applied ("" = swap every eligible tensor: WarmUp or no policy)
-    matched_exact: int = 0
-    matched_fuzzy: int = 0
-    unmatched: int = 0  # saved storages a policy could not place confidently (kept on the device)
-    on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
-    sequence_differs: bool = False  # any difference from the reference sequence, absorbed or not (see above)
-    reused_original_bytes: int = 0  # restores that reused a still-alive device original (no copy, no new bytes)
-    delayed_swap_outs: int = 0  # swap-outs the policy placed after the save, issued at their op
-    late_swap_outs: int = 0  # ... whose op never came (the sequence moved): issued when backward began
-    recomputed_bytes: int = 0  # saved storages rebuilt from their producer's inputs instead of swapped
-    recompute_unavailable: int = 0  # planned recomputes kept on the device (producer not found exactly)
-    sequence_change_kind: str = "identical"  # see above
-    skipped_entries: int = 0  # policy entries whose tensor this iteration did not save (an idle expert)
     tightened_in_place: bool = False  # see above
     failed: bool = False  # the iteration raised (``error``): nothing after the failing op happened
     error: str = ""  # the exception's type and first line, for a failed iteration
-    evicted_prefetches: int = 0  # prefetched swap-ins given back under memory pressure (fetched again on use)
     rank: str = ""  # the rank's coordinates in a distributed job (``RankCoordinates.label``); "" alone
     host_memory_budget_bytes: int | None = None  # this rank's host budget (a share of the node's RAM); None: unbounded
-    iteration_s_lag: int = 0  # iterations ``iteration_s`` lags (Stable: usually 1; see below)
+    iteration_s_lag: int = 0  # iterations ``iteration_s`` lags (Stable: usually 1; see above)
+
+    # ---- the executor's counts, read through (``swaps``) ----
+    swap_out_bytes = _swap_figure("swap_out_bytes")
+    swap_in_bytes = _swap_figure("swap_in_bytes")
+    swapped_storages = _swap_figure("swapped_storages")
+    prefetched = _swap_figure("prefetched")
+    kept_on_device_bytes = _swap_figure("kept_on_device_bytes")
+    passive_swaps = _swap_figure("passive_swaps")
+    pressure_waits = _swap_figure("pressure_waits")
+    matched_exact = _swap_figure("matched_exact")
+    matched_fuzzy = _swap_figure("matched_fuzzy")
+    unmatched = _swap_figure("unmatched")
+    on_demand_fetches = _swap_figure("on_demand_fetches")
+    reused_original_bytes = _swap_figure("reused_original_bytes")
+    delayed_swap_outs = _swap_figure("delayed_swap_outs")
+    late_swap_outs = _swap_figure("late_swap_outs")
+    recomputed_bytes = _swap_figure("recomputed_bytes")
+    recompute_unavailable = _swap_figure("recompute_unavailable")
+    skipped_entries = _swap_figure("skipped_entries")
+    evicted_prefetches = _swap_figure("evicted_prefetches")
+
+    # ---- the sequence comparison, read through (``comparison``; a failed iteration: no change) ----
+    @property
+    def sequence_changed(self) -> bool:
+        """A new program: a new policy is needed (see above)."""
+        return self.comparison is not None and self.comparison.changed
+
+    @property
+    def sequence_differs(self) -> bool:
+        """Any difference from the reference sequence, absorbed or not (see above)."""
+        return self.comparison is not None and self.comparison.differs
+
+    @property
+    def sequence_change_kind(self) -> str:
+        return "identical" if self.comparison is None else str(self.comparison.kind)
+
+    @property
+    def sequence_cosine(self) -> float:
+        return 1.0 if self.comparison is None else self.comparison.cosine
+
+    @property
+    def sequence_length_change(self) -> float:
+        """Relative, among ops inside autograd."""
+        return 0.0 if self.comparison is None else self.comparison.length_change
+
+    @property
+    def saved_bytes_change(self) -> float:
+        """Relative change of the bytes saved for backward."""
+        return 0.0 if self.comparison is None else self.comparison.saved_bytes_change
+
+    @property
+    def stage_transition(self) -> str | None:
+        """``transition`` as one line, "before -> after: reason"; None when the stage stayed."""
+        t = self.transition
+        return None if t is None else f"{t.before} -> {t.after}: {t.reason}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The report as the flat JSON object it always was (the nested records' fields at the top level)."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NESTED}
+        flat.update(dataclasses.asdict(self.swaps))
+        flat.update(
+            sequence_changed=self.sequence_changed,
+            sequence_change_major=self.sequence_changed,  # deprecated (see above): goes in the next release
+            sequence_cosine=self.sequence_cosine,
+            sequence_length_change=self.sequence_length_change,
+            saved_bytes_change=self.saved_bytes_change,
+            sequence_differs=self.sequence_differs,
+            sequence_change_kind=self.sequence_change_kind,
+            stage_transition=self.stage_transition,
+        )
+        return {key: flat.pop(key) for key in _JSON_ORDER if key in flat} | flat
 
     @classmethod
     def completed(cls, iteration: int, iteration_s: float, profile: Any, **measured: Any) -> "IterationReport":
         """A completed iteration: ``profile`` is the profiler's ``IterationProfile`` (stage, signature,
         comparison with the reference, transition); ``measured`` the fields a failed one has too."""
-        comparison, transition = profile.comparison, profile.transition
         return cls(
             iteration=iteration,
             stage=str(profile.stage),  # the plain string ("stable"), as reports always had
             iteration_s=iteration_s,
             num_ops=profile.signature.num_ops,
-            sequence_changed=comparison.changed,
-            sequence_change_major=comparison.changed,  # older name, same value
-            sequence_differs=comparison.differs,  # any difference, absorbed or not
-            sequence_change_kind=str(comparison.kind),
-            sequence_cosine=comparison.cosine,
-            sequence_length_change=comparison.length_change,
-            saved_bytes_change=comparison.saved_bytes_change,
-            stage_transition=None if transition is None else f"{transition.before} -> {transition.after}: {transition.reason}",
+            comparison=profile.comparison,
+            transition=profile.transition,
             **measured,
         )
 
@@ -119,12 +194,6 @@ class IterationReport:
             stage=str(stage),
             iteration_s=iteration_s,
             num_ops=num_ops,
-            sequence_changed=False,
-            sequence_change_major=False,
-            sequence_cosine=1.0,
-            sequence_length_change=0.0,
-            saved_bytes_change=0.0,
-            stage_transition=None,
             failed=True,
             error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
             **measured,

@@ -455,37 +455,21 @@ class Chameleon:
                            first_line, format_bytes(self.executor.tighten()))
 
     def _measured_fields(self, running: _Running) -> dict:
-        """The report fields a completed and a failed iteration fill alike."""
-        counters, policy = running.counters, running.policy
+        """The report fields a completed and a failed iteration fill alike (the executor's counts as its own
+        record, ``SwapFigures``)."""
+        policy = running.policy
         return dict(
             enabled=self.config.enabled,
             peak_device_bytes=self.device.peak_bytes(),
             capacity_bytes=self.device.capacity_bytes,
             memory_budget_bytes=self.memory_budget_bytes,
-            swap_out_bytes=counters.swap_out_bytes,
-            swap_in_bytes=counters.swap_in_bytes,
-            swapped_storages=counters.swapped_storages,
-            prefetched=counters.prefetched,
-            kept_on_device_bytes=counters.kept_on_device_bytes,
             host_pool_bytes=self.device.host_pool.reserved_bytes,
             host_memory_budget_bytes=self.device.host_pool.budget_bytes,
             stall_s=self.device.stall_s() - running.stall_start_s,
             policy_version=self.controller.version_of(policy),
-            passive_swaps=counters.passive_swaps,
             oom_retries=running.oom_retries,
             emulated=self.device.emulated,
-            pressure_waits=counters.pressure_waits,
-            evicted_prefetches=counters.evicted_prefetches,
             policy="" if policy is None else policy.name,
-            matched_exact=counters.matches.exact,
-            matched_fuzzy=counters.matches.fuzzy,
-            unmatched=counters.matches.unmatched,
-            skipped_entries=counters.matches.skipped,
-            on_demand_fetches=counters.on_demand,
-            reused_original_bytes=counters.reused_original_bytes,
-            delayed_swap_outs=counters.delayed_swap_outs,
-            late_swap_outs=counters.late_swap_outs,
-            recomputed_bytes=counters.recomputed_bytes,
-            recompute_unavailable=counters.recompute_unavailable,
             rank=self.coordinates.label if self.coordinates is not None else "",
+            swaps=running.counters.figures(),
         )

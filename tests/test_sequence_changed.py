@@ -77,7 +77,8 @@ def test_a_wobbling_sequence_differs_but_is_not_changed_and_a_real_change_is(cap
     assert all(r.stage_transition is None for r in wobbling), "nothing is re-planned"
     assert logged[8:13] == [[]] * 5, "the profiler does not log an absorbed difference as a change"
     doubled = reports[13]  # iteration 14: the layers run twice
-    assert doubled.sequence_differs and doubled.sequence_changed and doubled.sequence_change_major
+    assert doubled.sequence_differs and doubled.sequence_changed and doubled.to_dict()["sequence_change_major"]
     assert doubled.stage_transition.startswith("stable -> warmup: operator sequence changed")
     assert len(logged[13]) == 1 and "profiler.cosine_threshold" in logged[13][0], "the log names the setting"
-    assert [r.sequence_change_major for r in reports] == [r.sequence_changed for r in reports], "the older name agrees"
+    assert [r.to_dict()["sequence_change_major"] for r in reports] == [r.sequence_changed for r in reports], (
+        "the older name (a deprecated JSON key) agrees")

@@ -1,5 +1,6 @@
-"""What the swap executor receives for one iteration (``IterationContext``) and what it reports back
-(``SwapCounters``), and what a detailed profiler hears from it (``SwapObserver``)."""
+"""What the swap executor receives for one iteration (``IterationContext``), what it counts meanwhile
+(``SwapCounters``) and reports back at the end (``SwapFigures``, nested in ``IterationReport``), and what a
+detailed profiler hears from it (``SwapObserver``)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,35 @@ class IterationContext:
     micro_batch: Callable[[], int | None] = _unnamed_micro_batch
 
 
+@dataclasses.dataclass(frozen=True)
+class SwapFigures:
+    """What the executor did during one iteration, as ``IterationReport.swaps`` (after an out-of-memory retry:
+    during the attempt that completed). The names are the report's JSON keys (``IterationReport.to_dict``)."""
+
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swapped_storages: int = 0  # storages copied out (views of one storage share one copy)
+    prefetched: int = 0
+    kept_on_device_bytes: int = 0  # swaps host_memory_budget refused: those tensors stayed on the device
+    passive_swaps: int = 0  # kept tensors swapped out synchronously because the device ran out of memory
+    pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs (their time is stall)
+    matched_exact: int = 0
+    matched_fuzzy: int = 0
+    unmatched: int = 0  # saved storages a policy could not place confidently (kept on the device)
+    on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
+    reused_original_bytes: int = 0  # restores that reused a still-alive device original (no copy, no new bytes)
+    delayed_swap_outs: int = 0  # swap-outs the policy placed after the save, issued at their op
+    late_swap_outs: int = 0  # ... whose op never came (the sequence moved): issued when backward began
+    recomputed_bytes: int = 0  # saved storages rebuilt from their producer's inputs instead of swapped
+    recompute_unavailable: int = 0  # planned recomputes kept on the device (producer not found exactly)
+    skipped_entries: int = 0  # policy entries whose tensor this iteration did not save (an idle expert)
+    evicted_prefetches: int = 0  # prefetched swap-ins given back under memory pressure (fetched again on use)
+
+
+_MATCH_FIGURES = {"matched_exact": "exact", "matched_fuzzy": "fuzzy", "unmatched": "unmatched",
+                  "skipped_entries": "skipped"}  # SwapFigures name: the matcher's own (MatchCounts)
+
+
 @dataclasses.dataclass
 class SwapCounters:
     """What the executor did during one iteration (after an out-of-memory retry: during the attempt
@@ -82,7 +112,7 @@ class SwapCounters:
     kept_on_device_bytes: int = 0  # swaps host_memory_budget refused: those tensors stayed on the device
     prefetched: int = 0
     saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
-    on_demand: int = 0  # swap-ins started only when backward needed the tensor
+    on_demand_fetches: int = 0  # swap-ins started only when backward needed the tensor
     reused_original_bytes: int = 0  # restores that reused the still-alive device original (no copy)
     passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure
     passive_swaps: int = 0
@@ -98,3 +128,10 @@ class SwapCounters:
     # (op count, "out" | "release" | "in", save ordinal) of each placed point the executor carried out, in
     # order: what the policy's simulator predicted, as it ran (NOTE [Placed swaps] in executor/schedule.py)
     placed: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+
+    def figures(self) -> SwapFigures:
+        """The counts an iteration report shows, frozen (the per-save lists stay here)."""
+        return SwapFigures(**{
+            field.name: getattr(self.matches, _MATCH_FIGURES[field.name]) if field.name in _MATCH_FIGURES
+            else getattr(self, field.name) for field in dataclasses.fields(SwapFigures)
+        })

@@ -524,7 +524,7 @@ class SwapExecutor:
             self._rebuild(entry)
         elif not entry.restored:
             if not entry.in_flight and entry.planned:
-                self.counters.on_demand += 1
+                self.counters.on_demand_fetches += 1
             self._swap_in(entry)
             entry.finish_swap_in()
             if not entry.reused_source:  # a restored copy: backward may write it (a retained graph re-reads)
