@@ -82,6 +82,10 @@ from chameleon_dist.policy.model import Decision
 MIB = 2**20
 VARIANTS = ("unconstrained", "chameleon", "baseline", "save_on_cpu")
 WILLIAMS_4 = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))  # harness.balanced_orders(4): each before each other once
+REPORT_KEYS = ("swap_out_bytes", "swap_in_bytes", "stage", "policy", "passive_swaps", "oom_retries",
+               "on_demand_fetches", "pressure_waits", "unmatched", "stage_transition")
+"""The ``IterationReport.to_dict()`` keys a Chameleon variant's record keeps as they are (beside its times and
+``peak_bytes``, the report's ``peak_device_bytes``)."""
 SAVE_ON_CPU_LABEL = "save_on_cpu semantics emulated (synchronous copies, no prefetch)"
 # GPT shapes (``--shape``; --layers and the others override one value). "executor": this benchmark's own model
 # (~380 forward matmul FLOP per saved-activation byte). "llm-like": the most compute per saved byte a shared 2-core
@@ -258,13 +262,10 @@ class Variant:
             before = clock_mark(device)
             restart_host_clock(device)
             loss = self.chameleon.run_iteration(closure, optimizer=self.optimizer)
-            r = self.chameleon.last_report
-            record = {"iteration_s": r.iteration_s, "stall_s": r.stall_s, "peak_bytes": r.peak_device_bytes,
-                      "swap_out_bytes": r.swap_out_bytes, "swap_in_bytes": r.swap_in_bytes, "stage": r.stage,
-                      "policy": r.policy, "passive_swaps": r.passive_swaps, "oom_retries": r.oom_retries,
-                      "on_demand_fetches": r.on_demand_fetches, "pressure_waits": r.pressure_waits,
-                      "unmatched": r.unmatched, "stage_transition": r.stage_transition,
-                      **iteration_figures(r.iteration_s, r.stall_s, clock_delta(device, before), device)}
+            r = self.chameleon.last_report.to_dict()
+            record = {"iteration_s": r["iteration_s"], "stall_s": r["stall_s"], "peak_bytes": r["peak_device_bytes"],
+                      **{key: r[key] for key in REPORT_KEYS},
+                      **iteration_figures(r["iteration_s"], r["stall_s"], clock_delta(device, before), device)}
         else:
             device.reset_peak()
             span = DeviceSpan(device).start()

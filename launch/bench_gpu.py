@@ -81,6 +81,8 @@ SAVING = {"save_on_cpu": "save_on_cpu", "checkpoint": "checkpoint"}  # variant -
 AUTO_SHAPES = ((4096, 32, 4096), (4096, 32, 2048), (2048, 16, 2048), (1024, 8, 1024))
 AUTO_BATCHES = (2, 1)  # without --batch: two sequences where they fit (an H200), else one
 AUTO_MEMORY_SHARE = 0.6  # of the GPU's memory the estimate may use (allocator slack, pinned staging, cuBLAS)
+REPORT_KEYS = ("stall_s", "swap_out_bytes", "stage", "policy", "passive_swaps", "oom_retries")
+"""The ``IterationReport.to_dict()`` keys a Chameleon variant's record takes from the runtime's report."""
 DRY_SHAPE = dict(layers=2, hidden=64, heads=4, seq=32, batch=1, vocab=128)
 DRY_LINK_BYTES_PER_S = 10**9  # the dry run checks the code path, not the speed: quick copies on the device clock
 
@@ -251,9 +253,8 @@ class Variant:
                   "stall_s": device.stall_s() - stall_start_s, "swap_out_bytes": 0, "stage": "", "policy": "",
                   "passive_swaps": 0, "oom_retries": 0}
         if self.runtime is not None:
-            r = self.runtime.last_report
-            record.update(stall_s=r.stall_s, swap_out_bytes=r.swap_out_bytes, stage=r.stage, policy=r.policy,
-                          passive_swaps=r.passive_swaps, oom_retries=r.oom_retries)
+            report = self.runtime.last_report.to_dict()
+            record.update({key: report[key] for key in REPORT_KEYS})
         elif saving is not None:
             record["swap_out_bytes"] = saving.swap_out_bytes
         record["peak_above_start_bytes"] = record["peak_bytes"] - start_live_bytes

@@ -53,6 +53,12 @@ def params_sha256(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
+ROW_KEYS = ("peak_device_bytes", "swap_out_bytes", "stall_s", "iteration_s", "stage", "passive_swaps",
+            "sequence_change_kind", "stage_transition", "emulated")
+"""The ``IterationReport.to_dict()`` keys of each iteration's row (``stage_transition``: what changed stage after
+this iteration, and why)."""
+
+
 @dataclasses.dataclass
 class RankRecord:
     coordinates: dict[str, int]
@@ -63,17 +69,8 @@ class RankRecord:
 
     def add(self, report: Any) -> dict[str, Any]:
         """Record one iteration from the runtime's ``IterationReport``; returns the row."""
-        row = {
-            "peak_device_bytes": report.peak_device_bytes,
-            "swap_out_bytes": report.swap_out_bytes,
-            "stall_s": report.stall_s,
-            "iteration_s": report.iteration_s,
-            "stage": report.stage,
-            "passive_swaps": report.passive_swaps,
-            "sequence_change_kind": report.sequence_change_kind,
-            "stage_transition": report.stage_transition,  # what changed stage after this iteration, and why
-            "emulated": report.emulated,
-        }
+        fields = report.to_dict()
+        row = {key: fields[key] for key in ROW_KEYS}
         self.iterations.append(row)
         return row
 
