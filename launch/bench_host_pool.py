@@ -91,10 +91,9 @@ def run(args: argparse.Namespace) -> dict:
     pool = device.host_pool
     first, last = rows[0], rows[-1]
     ratio = last["host_pool_bytes"] / first["host_pool_bytes"] if first["host_pool_bytes"] else float("nan")
-    peak_in_use_bytes = getattr(pool, "peak_in_use_bytes", None)  # absent from the pool before issue 10
-    peak_text = "n/a" if peak_in_use_bytes is None else format_bytes(peak_in_use_bytes)
+    peak_in_use_bytes = pool.peak_in_use_bytes
     print(f"max reserved over {max(checkpoints)} iterations: {format_bytes(max_reserved_bytes)}; "
-          f"peak in use: {peak_text}; buffers evicted: {format_bytes(getattr(pool, 'evicted_bytes', 0))}; "
+          f"peak in use: {format_bytes(peak_in_use_bytes)}; buffers evicted: {format_bytes(pool.evicted_bytes)}; "
           f"reserved at {last['iteration']} / at {first['iteration']}: {ratio:.2f}x  [emulated]")
     return {"checkpoints": rows, "max_reserved_bytes": max_reserved_bytes,
             "peak_in_use_bytes": peak_in_use_bytes,
