@@ -35,12 +35,12 @@ from chameleon_dist.device.iteration_times import IterationTimes
 from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
-from chameleon_dist.policy.selection import IterationOutcome, PolicyController, RetryAction
+from chameleon_dist.policy.selection import IterationOutcome, PolicyController
 from chameleon_dist.profiler.online import Observation, OnlineProfiler
 from chameleon_dist.ranks import RankCoordinates
 from chameleon_dist.report import IterationReport
 from chameleon_dist.retry import GradientSnapshot, RandomState, final_out_of_memory, optimizer_state_guard
-from chameleon_dist.trace.stages import Stage
+from chameleon_dist.trace.stages import RetryCause, Stage
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -286,15 +286,13 @@ class Chameleon:
             passive_swaps=counters.passive_swaps, oom_retries=running.oom_retries,
             profiled=observation.recorder is not None, saved_bytes=sum(counters.saved_bytes),
             passive_swap_bytes=counters.passive_swap_bytes,
+            failed_attempt_passive_swaps=observation.failed_attempt_passive_swaps,
         )
-        over_budget = self.controller.record(outcome)
-        # passive swaps the controller absorbed (a policy scaled to a new shape, a trial's, or those a policy
-        # predicted short was chosen with) restart nothing
-        passive_swaps = 0 if self.controller.absorbed_passive_swaps else counters.passive_swaps
-        profile = self.profiler.conclude(observation, counters.saved_bytes, passive_swaps, over_budget)
+        verdict = self.controller.record(outcome)
+        profile = self.profiler.conclude(observation, counters.saved_bytes, verdict)
         self.controller.follow(profile.transition, outcome)
         self.last_report = IterationReport.completed(
-            self._iteration, iteration_s, profile, tightened_in_place=self.controller.tightened_in_place,
+            self._iteration, iteration_s, profile, tightened_in_place=verdict.tightened_in_place,
             iteration_s_lag=iteration_s_lag, **self._measured_fields(running),
         )
         logger.debug("%s", self.last_report)
@@ -429,30 +427,31 @@ class Chameleon:
         every parameter its gradient back). The executor's counters and save numbering, the signature and
         the detailed trace describe only the attempt that completes; the failed attempt still counts as
         "the policy did not hold" (``oom_retries`` for the controller, its passive swaps for the stage
-        machine through the profiler). The controller says what the retry changes."""
+        machine through the controller's verdict). The controller says what the retry changes
+        (``RetryAction``) and the executor applies it."""
         running = self._running
         running.oom_retries += 1
         counters = self.executor.counters
         refused_bytes, passive_swaps, policy = counters.kept_on_device_bytes, counters.passive_swaps, self.executor.policy
         gc.collect()  # the failed attempt's graph goes now, where Python can free it; the executor lets go of the rest
-        action = self.controller.on_out_of_memory(policy, refused_bytes, self.executor.min_swap_bytes)
-        self.executor.new_attempt(swap_everything=action == RetryAction.SWAP_EVERYTHING)
+        retry = self.controller.on_out_of_memory(policy, refused_bytes, self.executor.min_swap_bytes)
+        self.executor.new_attempt(retry)
         if running.observation is not None:
             self.profiler.new_attempt(running.observation, passive_swaps)
         running.attempt_stall_start_s = self.device.stall_s()  # the trace's stall: the completed attempt's
         first_line = reason.splitlines()[0]
-        if action == RetryAction.SWAP_EVERYTHING:
+        if retry.cause == RetryCause.POLICY_FAILED:
             logger.warning("out of memory under policy %s (%s); retrying the iteration swapping every eligible "
                            "tensor", policy.name, first_line)
-        elif action == RetryAction.WAIT_FOR_HOST:
+        elif retry.cause == RetryCause.HOST_BUDGET_FULL:
             logger.warning("out of memory (%s) with %s kept on the device because host_memory_budget (%s) was "
                            "full; retrying (raise host_memory_budget)", first_line,
                            format_bytes(refused_bytes), format_bytes(self.device.host_pool.budget_bytes or 0))
-        elif action == RetryAction.RETRY_AS_IS:
+        elif retry.cause == RetryCause.EVERYTHING_SWAPPED:
             logger.warning("out of memory (%s) with every saved activation swapped; retrying", first_line)
         else:
             logger.warning("out of memory (%s); retrying the iteration with min_swap_bytes lowered to %s",
-                           first_line, format_bytes(self.executor.tighten()))
+                           first_line, format_bytes(retry.min_swap_bytes))
 
     def _measured_fields(self, running: _Running) -> dict:
         """The report fields a completed and a failed iteration fill alike (the executor's counts as its own

@@ -14,7 +14,7 @@ from chameleon_dist.policy.selection import (
     PolicyController,
     RetryAction,
 )
-from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+from chameleon_dist.trace.stages import RetryCause, Stage, Transition, TransitionCause
 from chameleon_dist.trace.step_trace import StepTrace
 
 MIB = 2**20
@@ -72,8 +72,10 @@ def test_a_stable_peak_over_budget_is_reported_and_a_held_one_is_not():
     controller = _controller()
     policy = _policy()
     _chosen(controller, policy)
-    assert controller.record(_outcome(Stage.STABLE, policy, 99)) == ""
-    reason = controller.record(_outcome(Stage.STABLE, policy, 101))
+    assert controller.record(_outcome(Stage.STABLE, policy, 99)).restart is None
+    verdict = controller.record(_outcome(Stage.STABLE, policy, 101))
+    assert verdict.restart == TransitionCause.OVER_BUDGET
+    reason = verdict.reason
     assert "above memory_budget" in reason and policy.name in reason
 
 
@@ -101,11 +103,17 @@ def test_what_a_policy_must_stay_under_is_the_budget_or_the_swap_everything_peak
 def test_out_of_memory_retry_actions():
     controller = _controller()
     failed = _policy(feasible=False)
-    assert controller.on_out_of_memory(failed, refused_bytes=5, min_swap_bytes=MIB) == RetryAction.SWAP_EVERYTHING
+    assert controller.on_out_of_memory(failed, refused_bytes=5, min_swap_bytes=MIB) == RetryAction(
+        RetryCause.POLICY_FAILED, MIB, swap_everything=True)
     assert controller.reserve_bytes > 0
-    assert controller.on_out_of_memory(None, refused_bytes=5, min_swap_bytes=MIB) == RetryAction.WAIT_FOR_HOST
-    assert controller.on_out_of_memory(None, refused_bytes=0, min_swap_bytes=0) == RetryAction.RETRY_AS_IS
-    assert controller.on_out_of_memory(None, refused_bytes=0, min_swap_bytes=MIB) == RetryAction.LOWER_MIN_SWAP
+    assert controller.on_out_of_memory(None, refused_bytes=5, min_swap_bytes=MIB) == RetryAction(
+        RetryCause.HOST_BUDGET_FULL, MIB, wait_for_host=True)
+    assert controller.on_out_of_memory(None, refused_bytes=0, min_swap_bytes=0) == RetryAction(
+        RetryCause.EVERYTHING_SWAPPED, 0)
+    assert controller.on_out_of_memory(None, refused_bytes=0, min_swap_bytes=MIB) == RetryAction(
+        RetryCause.SMALL_TENSORS_KEPT, MIB // 16)
+    # (what executor.tighten() did: divide by 16, 0 below 1 KiB)
+    assert controller.on_out_of_memory(None, refused_bytes=0, min_swap_bytes=16 * 1023).min_swap_bytes == 0
 
 
 def test_trials_that_all_failed_leave_no_policy_chosen():
@@ -198,36 +206,43 @@ def test_a_stable_overshoot_within_the_capacity_tightens_in_place_until_it_repea
     version, reserve = controller.version, controller.reserve_bytes
     policy = chosen
     for k in range(MAX_IN_PLACE_TIGHTENINGS):
-        assert controller.record(_stable(policy, JOB_BUDGET + MIB)) == "", "absorbed: Stable goes on"
-        assert controller.tightened_in_place and controller.version == version + k + 1
+        verdict = controller.record(_stable(policy, JOB_BUDGET + MIB))
+        assert verdict.restart is None, "absorbed: Stable goes on"
+        assert verdict.tightened_in_place and controller.version == version + k + 1
         assert controller.chosen is not policy and controller.chosen.feasible
         assert controller.reserve_bytes >= reserve + (2**k) * MIB, "the shortfall is added to the reduction"
         policy, reserve = controller.chosen, controller.reserve_bytes
-    reason = controller.record(_stable(policy, JOB_BUDGET + MIB))
-    assert "above memory_budget" in reason and not controller.tightened_in_place, "repeated overshoot: profile again"
+    verdict = controller.record(_stable(policy, JOB_BUDGET + MIB))
+    assert verdict.restart == TransitionCause.OVER_BUDGET
+    assert "above memory_budget" in verdict.reason and not verdict.tightened_in_place, "repeated overshoot: profile again"
 
 
 def test_a_stable_overshoot_above_the_capacity_or_with_a_passive_swap_is_not_absorbed():
     controller, chosen = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + MIB // 2)
-    assert "above memory_budget" in controller.record(_stable(chosen, JOB_BUDGET + MIB))
+    assert "above memory_budget" in controller.record(_stable(chosen, JOB_BUDGET + MIB)).reason
     controller, chosen = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + 8 * MIB)
-    assert "above memory_budget" in controller.record(_stable(chosen, JOB_BUDGET + MIB, passive_swaps=1))
-    assert controller.chosen is chosen and not controller.absorbed_passive_swaps
+    verdict = controller.record(_stable(chosen, JOB_BUDGET + MIB, passive_swaps=1))
+    # (was: the over-budget reason, then the stage machine took the passive swap first; now one verdict)
+    assert verdict.restart == TransitionCause.PASSIVE_SWAP and not verdict.tightened_in_place
+    assert controller.chosen is chosen and not verdict.absorbed_passive_swaps
 
 
 def test_a_new_larger_shape_is_scaled_for_before_profiling_again():
     controller, chosen = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + 8 * MIB)
     # the same saved bytes: a passive swap is the policy's failure, and the runtime profiles again
-    assert controller.record(_stable(chosen, JOB_BUDGET, passive_swaps=2)) == ""
-    assert not controller.absorbed_passive_swaps and controller.chosen is chosen
+    verdict = controller.record(_stable(chosen, JOB_BUDGET, passive_swaps=2))
+    assert verdict.restart == TransitionCause.PASSIVE_SWAP
+    assert not verdict.absorbed_passive_swaps and controller.chosen is chosen
     # 30% more saved bytes (a longer sequence): a policy from the trace grown alike, at once
-    assert controller.record(_stable(chosen, JOB_BUDGET, passive_swaps=2, saved_mib=130)) == ""
-    assert controller.absorbed_passive_swaps and controller.chosen is not chosen
+    verdict = controller.record(_stable(chosen, JOB_BUDGET, passive_swaps=2, saved_mib=130))
+    assert verdict.restart is None
+    assert verdict.absorbed_passive_swaps == 2 and controller.chosen is not chosen
     scaled = controller.chosen
     assert scaled.saved_bytes(Decision.SWAP) > chosen.saved_bytes(Decision.SWAP), "more leaves the device"
     # it failed on that shape too: now the runtime profiles again
-    assert controller.record(_stable(scaled, JOB_BUDGET, passive_swaps=1, saved_mib=130)) == ""
-    assert not controller.absorbed_passive_swaps
+    verdict = controller.record(_stable(scaled, JOB_BUDGET, passive_swaps=1, saved_mib=130))
+    assert verdict.restart == TransitionCause.PASSIVE_SWAP
+    assert not verdict.absorbed_passive_swaps
 
 
 def test_a_grown_trace_grows_what_the_iteration_allocated_and_nothing_else():

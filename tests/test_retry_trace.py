@@ -13,7 +13,10 @@ from chameleon_dist import Chameleon, EmulatedDevice
 from chameleon_dist.profiler.online import OnlineProfiler
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.signature import OpVocabulary
-from chameleon_dist.trace.stages import Stage
+from chameleon_dist.policy.inputs import PolicySettings
+from chameleon_dist.policy.outcome import IterationOutcome
+from chameleon_dist.policy.selection import PolicyController
+from chameleon_dist.trace.stages import Stage, Verdict
 
 from tests.models import lm_batch, lm_loss, make_lm
 
@@ -208,6 +211,16 @@ def test_the_trace_times_the_completed_attempt_and_its_own_stall():
     assert report.stall_s == pytest.approx(device.stall_s() - first_stall_s), "the report's stall is the iteration's"
 
 
+def _verdict(observation) -> Verdict:
+    """The policy controller's verdict on a GenPolicy iteration whose completed attempt needed no passive
+    swap, after one out-of-memory retry (what the runtime tells it: ``Chameleon.iteration``)."""
+    controller = PolicyController(PolicySettings(budget_bytes=2**30, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9))
+    return controller.record(IterationOutcome(
+        iteration=2, stage=Stage.GEN_POLICY, policy=None, peak_bytes=0, iteration_s=0.1, stall_s=0.0,
+        attempt_stall_s=0.0, passive_swaps=0, oom_retries=observation.failed_attempts, profiled=False,
+        failed_attempt_passive_swaps=observation.failed_attempt_passive_swaps))
+
+
 def test_passive_swaps_of_a_failed_attempt_still_send_the_runtime_back_to_warmup():
     """The report counts the completed attempt's passive swaps only, but a failed attempt's passive swaps
     still tell the stage machine that the policy did not hold."""
@@ -217,7 +230,7 @@ def test_passive_swaps_of_a_failed_attempt_still_send_the_runtime_back_to_warmup
         profiler = OnlineProfiler(1, 2, 0.05, 0.95, lambda: 0, True)
         with profiler.observe(1, [], set) as observation:
             (x * 2).sum().backward()
-        profiler.conclude(observation, [64], passive_swaps=0)
+        profiler.conclude(observation, [64], Verdict())
         assert profiler.stage == Stage.GEN_POLICY
         return profiler
 
@@ -227,7 +240,7 @@ def test_passive_swaps_of_a_failed_attempt_still_send_the_runtime_back_to_warmup
         profiler.new_attempt(observation, passive_swaps=3)
         assert observation.ids == []
         (x * 2).sum().backward()
-    profile = profiler.conclude(observation, [64], passive_swaps=0)
+    profile = profiler.conclude(observation, [64], _verdict(observation))
     assert profile.transition is not None and profile.transition.after == Stage.WARMUP
     assert "3 passive swap" in profile.transition.reason
     assert profile.signature.num_ops == len(observation.ids) > 0
@@ -238,7 +251,7 @@ def test_passive_swaps_of_a_failed_attempt_still_send_the_runtime_back_to_warmup
         (x * 2).sum().backward()
         profiler.new_attempt(observation)
         (x * 2).sum().backward()
-    assert profiler.conclude(observation, [64], passive_swaps=0).transition is None
+    assert profiler.conclude(observation, [64], _verdict(observation)).transition is None
 
 
 class _Net(nn.Module):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from chameleon_dist.profiler import OpVocabulary, Signature, SignatureMode, StageMachine, compare
-from chameleon_dist.trace.stages import Stage
+from chameleon_dist.trace.stages import Stage, TransitionCause, Verdict
 
 from chameleon_dist.profiler.signature import ChangeKind, cosine_similarity, pair_profile_cosine
 
@@ -120,32 +120,37 @@ def test_cosine_pads_the_shorter_sequence():
     assert cosine_similarity(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)) == 1.0
 
 
+def _passive_swaps(count: int) -> Verdict:
+    """The policy controller's verdict on an iteration that needed ``count`` passive swaps it did not absorb."""
+    return Verdict(TransitionCause.PASSIVE_SWAP, f"{count} passive swap(s): the device ran out of memory")
+
+
 def test_stage_machine_follows_algorithm_1():
     machine = StageMachine(warmup_iterations=2, policy_trials=3)
     stages = []
     for _ in range(7):
         stages.append(machine.stage)
-        machine.advance(major_change=False, passive_swaps=0)
+        machine.advance(major_change=False, verdict=Verdict())
     assert stages == [Stage.WARMUP, Stage.WARMUP, Stage.GEN_POLICY, Stage.GEN_POLICY, Stage.GEN_POLICY, Stage.STABLE, Stage.STABLE]
-    transition = machine.advance(major_change=True, passive_swaps=0, change_reason="length changed")
+    transition = machine.advance(major_change=True, verdict=Verdict(), change_reason="length changed")
     assert (transition.before, transition.after) == (Stage.STABLE, Stage.WARMUP) and "length changed" in transition.reason
-    assert machine.advance(False, 1) is None  # a passive swap in WarmUp is its safety net: no restart
-    assert machine.advance(False, 0).after == Stage.GEN_POLICY
-    transition = machine.advance(False, 2)  # a passive swap under a policy goes back to WarmUp
+    assert machine.advance(False, _passive_swaps(1)) is None  # a passive swap in WarmUp is its safety net: no restart
+    assert machine.advance(False, Verdict()).after == Stage.GEN_POLICY
+    transition = machine.advance(False, _passive_swaps(2))  # a passive swap under a policy goes back to WarmUp
     assert (transition.before, transition.after) == (Stage.GEN_POLICY, Stage.WARMUP) and "passive swap" in transition.reason
 
 
 def test_zero_warmup_goes_straight_to_gen_policy():
     machine = StageMachine(warmup_iterations=0, policy_trials=1)
     assert machine.stage == Stage.GEN_POLICY
-    assert machine.advance(False, 0).after == Stage.STABLE
-    assert machine.advance(True, 0, "x").after == Stage.GEN_POLICY
+    assert machine.advance(False, Verdict()).after == Stage.STABLE
+    assert machine.advance(True, Verdict(), "x").after == Stage.GEN_POLICY
 
 
 def test_a_major_change_restarts_warmup_from_gen_policy_but_not_within_warmup():
     machine = StageMachine(warmup_iterations=2, policy_trials=2)
-    assert machine.advance(False, 0) is None  # iteration 1
-    transition = machine.advance(True, 0, "lazy initialisation in iteration 1")  # iteration 2 differs from 1
+    assert machine.advance(False, Verdict()) is None  # iteration 1
+    transition = machine.advance(True, Verdict(), "lazy initialisation in iteration 1")  # iteration 2 differs from 1
     assert transition.after == Stage.GEN_POLICY, "WarmUp renews its reference every iteration: no restart"
-    transition = machine.advance(True, 0, "branch taken")
+    transition = machine.advance(True, Verdict(), "branch taken")
     assert (transition.before, transition.after) == (Stage.GEN_POLICY, Stage.WARMUP)

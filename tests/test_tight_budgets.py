@@ -79,9 +79,9 @@ def test_a_trial_that_needed_passive_swaps_gives_a_stricter_policy_and_the_trial
     assert first.feasible
     miss_bytes = 4 * MIB  # a small share of the 26.5 MiB the trace needs taken off, below what it aimed for
     assert BUDGET_BYTES - miss_bytes < first.predicted_peak_bytes
-    controller.record(_trial(first, passive_swap_bytes=miss_bytes))
+    verdict = controller.record(_trial(first, passive_swap_bytes=miss_bytes))
     assert not controller.results[-1].held, "a policy predicted to fit that needed passive swaps did not hold"
-    assert controller.absorbed_passive_swaps, "the trial's miss is feedback, not a reason to profile again"
+    assert verdict.absorbed_passive_swaps, "the trial's miss is feedback, not a reason to profile again"
     assert controller.reserve_bytes >= miss_bytes, "the passive-swap bytes are added to the reduction aimed for"
     stricter = controller.policy_for(Stage.GEN_POLICY, trace, MIB)
     assert stricter is not None and stricter is not first
@@ -105,9 +105,9 @@ def test_a_policy_predicted_short_that_ran_out_of_memory_does_not_end_the_polici
 def _chose_the_closest(passive_swap_bytes: int = 2 * MIB) -> tuple[PolicyController, Policy]:
     controller, trace, closest = _generated(SLOW_LINK_BYTES_PER_S, warmup_s=1.0)
     assert not any(p.feasible for p in controller.candidates)
-    controller.record(_trial(closest, iteration_s=0.4, passive_swap_bytes=passive_swap_bytes))
+    verdict = controller.record(_trial(closest, iteration_s=0.4, passive_swap_bytes=passive_swap_bytes))
     assert controller.results[-1].held, "completed without a retry, within the budget: passive swap is the design"
-    assert controller.absorbed_passive_swaps
+    assert verdict.absorbed_passive_swaps
     for k in range(2):  # the others: further off, slower
         policy = controller.policy_for(Stage.GEN_POLICY, trace, MIB)
         assert policy is not None
@@ -138,12 +138,14 @@ def test_a_policy_predicted_short_that_held_with_passive_swaps_makes_the_next_tr
 def test_stable_on_a_policy_predicted_short_absorbs_the_passive_swaps_its_trials_measured():
     controller, closest = _chose_the_closest(passive_swap_bytes=2 * MIB)
     for passive_swap_bytes in (2 * MIB, 3 * MIB, 2 * MIB):
-        assert controller.record(_trial(closest, stage=Stage.STABLE, passive_swap_bytes=passive_swap_bytes)) == ""
-        assert controller.absorbed_passive_swaps, "expected passive swaps: the runtime must not restart WarmUp"
+        verdict = controller.record(_trial(closest, stage=Stage.STABLE, passive_swap_bytes=passive_swap_bytes))
+        assert verdict.restart is None
+        assert verdict.absorbed_passive_swaps, "expected passive swaps: the runtime must not restart WarmUp"
         assert controller.chosen is closest
     # far more than its trials needed: the policy no longer describes the job, profile again
-    assert controller.record(_trial(closest, stage=Stage.STABLE, passive_swap_bytes=20 * MIB)) == ""
-    assert not controller.absorbed_passive_swaps
+    verdict = controller.record(_trial(closest, stage=Stage.STABLE, passive_swap_bytes=20 * MIB))
+    assert verdict.restart == TransitionCause.PASSIVE_SWAP  # (was: no over-budget reason; the stage machine restarted)
+    assert not verdict.absorbed_passive_swaps
 
 
 # ---- 3. swap-everything is compared on measured time, and is the last resort ----------------------------------

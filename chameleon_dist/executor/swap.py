@@ -42,13 +42,11 @@ from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor
 from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
 from chameleon_dist.executor.states import EntryState
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
+from chameleon_dist.policy.outcome import RetryAction
 from chameleon_dist.trace.writes import WriteWatch
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
-
-TIGHTEN_FACTOR = 16
-"""``tighten()`` divides ``min_swap_bytes`` by this (and goes to 0 below 1 KiB)."""
 
 _IDLE = IterationContext()
 
@@ -65,7 +63,7 @@ class SwapExecutor:
     Args:
         device: where activations live and the host link they travel over (CUDA or emulated).
         min_swap_bytes: storages smaller than this are never swapped (their copies cost more in launch
-            overhead than they free). ``tighten()`` lowers it after an out-of-memory error.
+            overhead than they free). An out-of-memory retry may lower it (``new_attempt``).
         prefetch_depth: without a planned swap-in point, how many swapped storages (in reverse save
             order) are brought back ahead of the one backward needs. More hides more copy time but holds
             more device memory during backward.
@@ -218,19 +216,22 @@ class SwapExecutor:
         self._by_storage.pop(key, None)
         self._watched.pop(key, None)
 
-    def new_attempt(self, swap_everything: bool = False) -> None:
+    def new_attempt(self, retry: RetryAction | None = None) -> None:
         """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
         yielded, emptied in place) and the save numbering describe only the attempt that completes, and
         the failed attempt's saved tensors give back their device and host memory (unpacking one later
         raises), and the device lets go of every swap-out source it still holds for them (ordered after their
-        copies). ``swap_everything`` drops the policy for the rest of the iteration (it did not hold)."""
+        copies). ``retry`` (the policy controller's ``on_out_of_memory``) sets what the retry runs with: its
+        ``min_swap_bytes``, and ``swap_everything`` drops the policy for the rest of the iteration."""
         self._abandon_attempt()
         self.device.release_all_sources()
         fresh = SwapCounters()
         for field in dataclasses.fields(SwapCounters):
             setattr(self.counters, field.name, getattr(fresh, field.name))
-        if swap_everything:
-            self._use_policy(None)
+        if retry is not None:
+            self.min_swap_bytes = retry.min_swap_bytes
+            if retry.swap_everything:
+                self._use_policy(None)
         self._start_attempt()
 
     def _abandon_attempt(self) -> None:
@@ -243,14 +244,6 @@ class SwapExecutor:
                 packed.abandon()
             elif isinstance(packed, SwappedTensor):
                 packed.entry.abandon()
-
-    def tighten(self) -> int:
-        """After an out-of-memory error with every eligible tensor swapped: swap smaller tensors too.
-        Divides ``min_swap_bytes`` by ``TIGHTEN_FACTOR`` (0 below 1 KiB) and returns the new value."""
-        self.min_swap_bytes //= TIGHTEN_FACTOR
-        if self.min_swap_bytes < 1024:
-            self.min_swap_bytes = 0
-        return self.min_swap_bytes
 
     def _start_attempt(self) -> None:
         """Matching, release flag and per-iteration bookkeeping start over (the counters are fresh)."""

@@ -1,5 +1,5 @@
 """What the runtime tells the ``PolicyController`` about an iteration (``IterationOutcome``) and what the
-controller tells it to change after an out-of-memory error (``RetryAction``).
+controller tells it to change after an out-of-memory error (``RetryAction``, with its ``RetryCause``).
 
 They live apart from the controller (``policy/selection.py``) so that the trial rules (``policy/trials.py``)
 can read an outcome without importing the controller.
@@ -8,16 +8,17 @@ can read an outcome without importing the controller.
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 from chameleon_dist.policy.model import Policy
-from chameleon_dist.trace.stages import Stage
+from chameleon_dist.trace.stages import RetryCause, Stage
 
 
 @dataclasses.dataclass(frozen=True)
 class IterationOutcome:
     """What one completed iteration did, as the controller needs it. ``passive_swaps`` are those of the
-    attempt that completed; ``oom_retries`` counts the attempts that did not."""
+    attempt that completed; ``oom_retries`` counts the attempts that did not, and
+    ``failed_attempt_passive_swaps`` the passive swaps they needed (they still mean the policy did not
+    hold)."""
 
     iteration: int
     stage: Stage
@@ -31,12 +32,16 @@ class IterationOutcome:
     profiled: bool  # a detailed trace of this iteration was recorded (WarmUp)
     saved_bytes: int = 0  # bytes autograd saved for backward in the completed attempt
     passive_swap_bytes: int = 0  # bytes passive swap moved in the completed attempt (0: none, or not known)
+    failed_attempt_passive_swaps: int = 0  # passive swaps of the attempts that did not complete (never absorbed)
 
 
-class RetryAction(enum.StrEnum):
-    """What the next attempt of an iteration that ran out of memory does differently."""
+@dataclasses.dataclass(frozen=True)
+class RetryAction:
+    """What the next attempt of an iteration that ran out of memory does differently, as the controller
+    decided it (``PolicyController.on_out_of_memory``) and the executor applies it
+    (``SwapExecutor.new_attempt``): its typed ``cause`` and the settings the retry runs with."""
 
-    SWAP_EVERYTHING = "swap_everything"  # the applied policy did not hold: drop it for this iteration
-    WAIT_FOR_HOST = "wait_for_host"  # the host budget refused swaps: swapping more cannot help
-    RETRY_AS_IS = "retry_as_is"  # already everything is swapped: a transient shortage may pass
-    LOWER_MIN_SWAP = "lower_min_swap"  # swap smaller tensors too (``min_swap_bytes`` goes down)
+    cause: RetryCause
+    min_swap_bytes: int  # the executor's ``min_swap_bytes`` for the retry (lowered for SMALL_TENSORS_KEPT)
+    swap_everything: bool = False  # drop the applied policy for the rest of the iteration (it did not hold)
+    wait_for_host: bool = False  # the host budget was full: the retry waits for host memory to come back

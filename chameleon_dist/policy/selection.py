@@ -18,7 +18,7 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
   move of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must
   stay under; or swaps everything, when that was measured faster than every policy that held (the last
   resort). A policy predicted short passive-swaps in Stable by design: as long as about what its trials
-  measured, that restarts nothing (``absorbed_passive_swaps``). A Stable peak over the budget but within
+  measured, that restarts nothing (``Verdict.absorbed_passive_swaps``). A Stable peak over the budget but within
   the device's capacity tightens the policy in place (the shortfall added to the reduction the policy aims
   for, a new policy generated from the same trace, no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per
   choice; only the next overshoot, or one above the capacity, sends the runtime back to WarmUp.
@@ -58,11 +58,12 @@ from chameleon_dist.policy.trials import (
     trial_held,
     trial_order,
 )
-from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+from chameleon_dist.trace.stages import RetryCause, Stage, Transition, TransitionCause, Verdict
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
 
-__all__ = ["IterationOutcome", "MAX_IN_PLACE_TIGHTENINGS", "PolicyController", "RetryAction", "TrialResult"]
+__all__ = ["IterationOutcome", "MAX_IN_PLACE_TIGHTENINGS", "MIN_SWAP_DIVISOR", "PolicyController", "RetryAction",
+           "RetryCause", "TrialResult", "Verdict"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,12 @@ STRICTER_SHARE = 0.1
 (the bytes passive swap moved, the peak over what it had to stay under), and by at least this share of
 the needed reduction (no-swap peak - budget) when it fails outside a trial (out of memory, Stable) or by an
 amount not known. A trial's known miss is added as measured: the trials go on, each narrower."""
+
+MIN_SWAP_DIVISOR = 16
+"""An out-of-memory retry with every eligible tensor swapped but smaller ones kept swaps smaller tensors
+too: ``min_swap_bytes`` divided by this (and 0 below ``MIN_SWAP_FLOOR_BYTES``)."""
+
+MIN_SWAP_FLOOR_BYTES = 1024
 
 
 class PolicyController:
@@ -87,17 +94,18 @@ class PolicyController:
     Read API (for reports and benchmarks): ``chosen`` (the policy Stable applies, or None),
     ``version`` (how many times one was chosen), ``candidates``, ``results`` (the trials of the current
     GenPolicy stage), ``reserve_bytes``, ``headroom_bytes`` (the choice's), ``time_scale``,
-    ``generation_s``, ``trace_stall_s``, ``tightened_in_place`` and ``absorbed_passive_swaps`` (by the
-    latest ``record``: the stage machine must not restart for that iteration's passive swaps) and
-    ``version_of(policy)``.
+    ``generation_s``, ``trace_stall_s`` and ``version_of(policy)``. What one iteration's record decided
+    (restart or not, its cause and reason, the passive swaps absorbed, a tightening in place) is the
+    ``Verdict`` ``record`` returns; what an out-of-memory retry changes is the ``RetryAction``
+    ``on_out_of_memory`` returns.
 
     Example::
 
         controller = PolicyController(PolicySettings(budget_bytes=..., d2h_bytes_per_s=..., h2d_bytes_per_s=...))
         policy = controller.policy_for(stage, profiler.last_trace, executor.min_swap_bytes)
         ...  # run the iteration with ``policy``
-        over_budget = controller.record(outcome)  # an IterationOutcome
-        transition = stage_machine.advance(..., over_budget=over_budget)
+        verdict = controller.record(outcome)  # an IterationOutcome -> a Verdict
+        transition = stage_machine.advance(..., verdict=verdict)
         controller.follow(transition, outcome)
     """
 
@@ -113,9 +121,6 @@ class PolicyController:
         self.time_scale = 1.0  # measured compute time / the trace's, learned from the trials
         self.generation_s = 0.0
         self.headroom_bytes = 0  # how much one policy's peak moved between its trials, when one was chosen
-        self.tightened_in_place = False  # the latest recorded iteration tightened the chosen policy in place
-        self.absorbed_passive_swaps = False  # ... and its passive swaps restart nothing (a trial's, a new shape
-        # scaled for, or the remainder a policy predicted short was kept to leave to passive swap)
         self._scaled_for = 1.0  # the chosen policy is made for this many times the trace's saved bytes
         self._trace_saved_bytes: dict[int, int] = {}  # saved bytes of the profiled iteration, by iteration
         self._in_place_left = 0  # in-place tightenings the chosen policy may still take
@@ -171,19 +176,34 @@ class PolicyController:
             return self.chosen
         return None
 
-    def record(self, outcome: IterationOutcome) -> str:
-        """Account one completed iteration. Returns a reason when a Stable iteration went over what its
-        policy must stay under and could not be absorbed in place (the stage machine then goes back to
-        WarmUp), else ""."""
+    def record(self, outcome: IterationOutcome) -> Verdict:
+        """Account one completed iteration and judge it: the stage machine goes back to WarmUp
+        (``Verdict.restart``) when, outside WarmUp, passive swaps were needed that no rule absorbs (those of
+        a failed attempt never are), or a Stable iteration went over what its policy must stay under and
+        could not be absorbed in place."""
+        over_budget, absorbed, tightened = self._judge(outcome)
+        counted = (0 if absorbed else outcome.passive_swaps) + outcome.failed_attempt_passive_swaps
+        absorbed_swaps = outcome.passive_swaps if absorbed else 0
+        if counted and outcome.stage != Stage.WARMUP:
+            return Verdict(TransitionCause.PASSIVE_SWAP, f"{counted} passive swap(s): the device ran out of memory",
+                           absorbed_swaps, tightened)
+        if over_budget:
+            return Verdict(TransitionCause.OVER_BUDGET, over_budget, absorbed_swaps, tightened)
+        return Verdict(None, "", absorbed_swaps, tightened)
+
+    def _judge(self, outcome: IterationOutcome) -> tuple[str, bool, bool]:
+        """``record``'s accounting: the reason when a Stable iteration went over what its policy must stay
+        under and could not be absorbed in place (else ""), whether the completed attempt's passive swaps
+        are absorbed, and whether the chosen policy was tightened in place."""
         policy, allowed = outcome.policy, self.allowed_peak_bytes
-        self.tightened_in_place = self.absorbed_passive_swaps = False
+        absorbed = False
         if outcome.stage == Stage.GEN_POLICY and policy is not None:
             held = trial_held(policy, outcome.peak_bytes, allowed, outcome.passive_swaps, outcome.oom_retries)
             # a trial on a shape larger than the traced one that failed, failed for the shape: no feedback
             grew = self._growth(outcome) > 1 + GROWTH_TOLERANCE
             self._record_trial(outcome, held, grew)
             # a trial's passive swaps are fed back (``_record_trial``); profiling again would swap everything
-            self.absorbed_passive_swaps = bool(outcome.passive_swaps and not outcome.oom_retries)
+            absorbed = bool(outcome.passive_swaps and not outcome.oom_retries)
         if policy is None and not outcome.oom_retries:  # what the last resort measured, to compare trials with
             self._swap_all_iteration_s = outcome.iteration_s
             if outcome.stage == Stage.WARMUP:
@@ -195,20 +215,19 @@ class PolicyController:
             self._trace_stall_s = {outcome.iteration: outcome.attempt_stall_s}
             self._trace_saved_bytes = {outcome.iteration: outcome.saved_bytes}
         if outcome.stage != Stage.STABLE or policy is None or policy is not self.chosen:
-            return ""
+            return "", absorbed, False
         failed = outcome.passive_swaps or outcome.peak_bytes > allowed
         if failed and not outcome.oom_retries and self._scale_for(outcome):
-            self.absorbed_passive_swaps = bool(outcome.passive_swaps)
-            return ""
+            return "", bool(outcome.passive_swaps), False
         if outcome.peak_bytes <= allowed and self._expected_passive_swaps(policy, outcome):
-            self.absorbed_passive_swaps = True  # the remainder of a policy predicted short, as its trials had
-            return ""
+            return "", True, False  # the remainder of a policy predicted short, as its trials had
         if outcome.peak_bytes > allowed:
             reason = (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
                       f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
             if outcome.passive_swaps or not self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason):
-                return reason
-        return ""
+                return reason, absorbed, False
+            return "", absorbed, True
+        return "", absorbed, False
 
     def _expected_passive_swaps(self, policy: Policy, outcome: IterationOutcome) -> bool:
         """``outcome``'s passive swaps (without an out-of-memory retry) under the chosen ``policy`` are what
@@ -266,7 +285,6 @@ class PolicyController:
         self._in_place_left -= 1
         self.chosen = best
         self.version += 1
-        self.tightened_in_place = True
         logger.info("%s (within the capacity): policy %s chosen in place (v%d), aiming %s under the budget",
                     reason, self.chosen.name, self.version, format_bytes(self.reserve_bytes))
         return True
@@ -291,17 +309,18 @@ class PolicyController:
             self._tighten(outcome.policy, max(outcome.passive_swap_bytes, outcome.peak_bytes - self.allowed_peak_bytes))
 
     def on_out_of_memory(self, policy_applied: Policy | None, refused_bytes: int, min_swap_bytes: int) -> RetryAction:
-        """An attempt ran out of memory; what the retry changes. ``policy_applied`` is the policy the failed
-        attempt ran under (None: it swapped every eligible tensor), ``refused_bytes`` what the host
-        budget kept on the device in it."""
+        """An attempt ran out of memory; what the retry changes (the executor applies it). ``policy_applied``
+        is the policy the failed attempt ran under (None: it swapped every eligible tensor),
+        ``refused_bytes`` what the host budget kept on the device in it, ``min_swap_bytes`` the executor's."""
         if policy_applied is not None:
             self._tighten(policy_applied)
-            return RetryAction.SWAP_EVERYTHING
+            return RetryAction(RetryCause.POLICY_FAILED, min_swap_bytes, swap_everything=True)
         if refused_bytes:
-            return RetryAction.WAIT_FOR_HOST
+            return RetryAction(RetryCause.HOST_BUDGET_FULL, min_swap_bytes, wait_for_host=True)
         if min_swap_bytes == 0:
-            return RetryAction.RETRY_AS_IS
-        return RetryAction.LOWER_MIN_SWAP
+            return RetryAction(RetryCause.EVERYTHING_SWAPPED, 0)
+        lowered_bytes = min_swap_bytes // MIN_SWAP_DIVISOR
+        return RetryAction(RetryCause.SMALL_TENSORS_KEPT, lowered_bytes if lowered_bytes >= MIN_SWAP_FLOOR_BYTES else 0)
 
     # ---- generation and trials --------------------------------------------------------------
     def _generate(self, trace: StepTrace, min_swap_bytes: int) -> None:

@@ -16,7 +16,7 @@ from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.scope import LayerClock, MicroBatchClock, TrainingScope
 from chameleon_dist.profiler.signature import Comparison, OpListener, OpVocabulary, Signature, SignatureMode, compare
 from chameleon_dist.profiler.stages import StageMachine
-from chameleon_dist.trace.stages import Stage, Transition
+from chameleon_dist.trace.stages import Stage, Transition, Verdict
 from chameleon_dist.trace.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
@@ -134,8 +134,9 @@ class OnlineProfiler:
         """An out-of-memory retry starts the iteration over (call it after the failed attempt's graph
         was collected): the signature ids are emptied in place (the executor's op clock reads that list)
         and the detailed recorder forgets the failed attempt, so signature and trace describe only the
-        attempt that completes. ``passive_swaps`` (those of the failed attempt) are remembered for the stage
-        machine: they still mean the policy did not hold."""
+        attempt that completes. ``passive_swaps`` (those of the failed attempt) are counted in
+        ``observation.failed_attempt_passive_swaps``, for the policy controller: they still mean the policy
+        did not hold."""
         observation.ids.clear()
         self.layers.reset()
         if observation.recorder is not None:
@@ -144,17 +145,14 @@ class OnlineProfiler:
         observation.failed_attempt_passive_swaps += passive_swaps
         logger.debug("iteration observation restarted for retry %d", observation.failed_attempts)
 
-    def conclude(
-        self, observation: Observation, saved_bytes: list[int], passive_swaps: int, over_budget: str = ""
-    ) -> IterationProfile:
-        """``saved_bytes`` and ``passive_swaps`` are those of the attempt that completed; the stage machine
-        also hears of the passive swaps of failed attempts (``new_attempt``)."""
+    def conclude(self, observation: Observation, saved_bytes: list[int], verdict: Verdict = Verdict()) -> IterationProfile:
+        """``saved_bytes`` are those of the attempt that completed; ``verdict`` the policy controller's on
+        the iteration (``PolicyController.record``), which the stage machine takes."""
         signature = Signature.of(observation.ids, saved_bytes)
         comparison = compare(signature, self.reference, self.length_change, self.cosine_threshold)
         if comparison.changed:
             logger.info("operator sequence: %s (%d ops vs %d)", comparison.reason, comparison.num_ops, comparison.reference_num_ops)
-        all_passive_swaps = passive_swaps + observation.failed_attempt_passive_swaps
-        transition = self.stages.advance(comparison.major, all_passive_swaps, comparison.reason, over_budget)
+        transition = self.stages.advance(comparison.major, verdict, comparison.reason)
         # The reference is the sequence the current (or upcoming) policy is built from: renewed in every
         # profiled iteration and whenever the runtime goes back to WarmUp.
         if self.reference is None or observation.recorder is not None or self.stages.stage == Stage.WARMUP:

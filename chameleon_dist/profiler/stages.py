@@ -2,12 +2,13 @@
 
 - WarmUp (``warmup_iterations``): detailed profiling; out-of-memory is absorbed by passive swap.
 - GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration.
-- Stable: only the cheap signature. A sequence change (a new program), a passive swap or a peak above the
-  memory budget that the policy controller could not absorb returns to WarmUp. The controller absorbs
-  (``policy/selection.py``, and the runtime then reports no passive swaps here): peaks over the budget
-  within the capacity, by tightening the policy in place; a larger shape, by scaling the policy; and the
-  passive swaps a policy predicted short was chosen with, while they stay near what its trials measured.
-A passive swap during WarmUp does not restart it: WarmUp runs with passive swap as its safety net.
+- Stable: only the cheap signature. A sequence change (a new program), or the policy controller's verdict
+  that the policy stopped holding (``trace.stages.Verdict``: a passive swap, a peak above the memory budget,
+  that the controller could not absorb) returns to WarmUp. The controller decides what it absorbs
+  (``policy/selection.py``): peaks over the budget within the capacity, by tightening the policy in place;
+  a larger shape, by scaling the policy; a trial's passive swaps; and the passive swaps a policy predicted
+  short was chosen with, while they stay near what its trials measured.
+A verdict during WarmUp does not restart it: WarmUp runs with passive swap as its safety net.
 A major change during GenPolicy restarts WarmUp (the trace no longer describes the job). During WarmUp
 it does not: every WarmUp iteration renews the trace and the reference anyway, and the first iteration
 of a job (lazy initialisation: optimizer state, framework buffers) routinely differs from the second.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+from chameleon_dist.trace.stages import Stage, Transition, TransitionCause, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -31,17 +32,13 @@ class StageMachine:
         self.stage = Stage.WARMUP if warmup_iterations > 0 else Stage.GEN_POLICY
         self._done_in_stage = 0
 
-    def advance(
-        self, major_change: bool, passive_swaps: int, change_reason: str = "", over_budget: str = ""
-    ) -> Transition | None:
-        """Account one finished iteration; returns the transition it caused, if any. ``over_budget``
-        (a reason) says a Stable iteration went over the memory budget: its policy no longer holds."""
+    def advance(self, major_change: bool, verdict: Verdict = Verdict(), change_reason: str = "") -> Transition | None:
+        """Account one finished iteration; returns the transition it caused, if any. ``verdict`` is the policy
+        controller's (``PolicyController.record``): outside WarmUp, its ``restart`` sends the runtime back to
+        WarmUp with that cause and reason (before a sequence change is considered)."""
         before = self.stage
-        if passive_swaps and self.stage != Stage.WARMUP:
-            return self._go(Stage.WARMUP, TransitionCause.PASSIVE_SWAP,
-                            f"{passive_swaps} passive swap(s): the device ran out of memory", before)
-        if over_budget and self.stage == Stage.STABLE:
-            return self._go(Stage.WARMUP, TransitionCause.OVER_BUDGET, over_budget, before)
+        if verdict.restart is not None and self.stage != Stage.WARMUP:
+            return self._go(Stage.WARMUP, verdict.restart, verdict.reason, before)
         if major_change and self.stage != Stage.WARMUP:
             return self._go(Stage.WARMUP, TransitionCause.SEQUENCE_CHANGED, f"operator sequence changed: {change_reason}", before)
         self._done_in_stage += 1
