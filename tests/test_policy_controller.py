@@ -112,7 +112,7 @@ def test_out_of_memory_retry_actions():
         RetryCause.EVERYTHING_SWAPPED, 0)
     assert controller.on_out_of_memory(None, refused_bytes=0, min_swap_bytes=MIB) == RetryAction(
         RetryCause.SMALL_TENSORS_KEPT, MIB // 16)
-    # (what executor.tighten() did: divide by 16, 0 below 1 KiB)
+    # divided by MIN_SWAP_DIVISOR (16), and 0 below 1 KiB
     assert controller.on_out_of_memory(None, refused_bytes=0, min_swap_bytes=16 * 1023).min_swap_bytes == 0
 
 

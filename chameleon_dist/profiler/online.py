@@ -145,7 +145,9 @@ class OnlineProfiler:
         observation.failed_attempt_passive_swaps += passive_swaps
         logger.debug("iteration observation restarted for retry %d", observation.failed_attempts)
 
-    def conclude(self, observation: Observation, saved_bytes: list[int], verdict: Verdict = Verdict()) -> IterationProfile:
+    def conclude(
+        self, observation: Observation, saved_bytes: list[int], verdict: Verdict = Verdict()
+    ) -> IterationProfile:
         """``saved_bytes`` are those of the attempt that completed; ``verdict`` the policy controller's on
         the iteration (``PolicyController.record``), which the stage machine takes."""
         signature = Signature.of(observation.ids, saved_bytes)

@@ -3,7 +3,8 @@
 
 They live in ``trace/`` because the profiler (which runs the stage machine and takes the verdict), the
 policy controller (which gives the verdict and reacts to transitions) and the runtime's reports all speak
-of them, and ``policy/`` must not import ``profiler/``. Both are string-valued: ``Stage.STABLE == "stable"``, so reports and JSON stay as they were.
+of them, and ``policy/`` must not import ``profiler/``. The enums are string-valued:
+``Stage.STABLE == "stable"``, so reports and JSON stay as they were.
 """
 
 from __future__ import annotations
