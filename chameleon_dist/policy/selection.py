@@ -428,8 +428,8 @@ class PolicyController:
     def _tighten(self, failed: Policy | None, missed_bytes: int = 0) -> None:
         """A policy stopped holding (out of memory, a passive swap, a Stable peak over the budget): the next
         policies aim lower by what it missed, at least ``STRICTER_SHARE`` of the needed reduction, and any
-        GenPolicy generates again. A policy predicted short that failed does not stop the next trials (it
-        did before issue 13: swapping everything from then on): the closest is still tried."""
+        GenPolicy generates again. A policy predicted short that failed does not stop the next trials (rather
+        than swapping everything from then on): the closest is still tried."""
         step_bytes = max(missed_bytes, self._stricter_step_bytes())
         self.reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + step_bytes)
         self._regenerate = True
