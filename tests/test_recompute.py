@@ -118,7 +118,7 @@ def test_input_changed_in_place_after_the_save_raises():
         assert recipe is not None
         h.add_(1.0)  # after the save
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            recipe.run(executor._unpack_quietly)
+            recipe.run(executor._unpack_in_hidden_scope)
 
 
 def test_a_producer_whose_result_object_died_is_still_found():
@@ -138,4 +138,4 @@ def test_a_producer_whose_result_object_died_is_still_found():
     del out
     recipe = log.recipe_for(view, executor._pack_input)
     assert recipe is not None
-    assert torch.equal(recipe.run(executor._unpack_quietly), byte_view(view.untyped_storage()))
+    assert torch.equal(recipe.run(executor._unpack_in_hidden_scope), byte_view(view.untyped_storage()))

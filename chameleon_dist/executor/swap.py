@@ -284,9 +284,10 @@ class SwapExecutor:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | KeptTensor | SwappedTensor:
         with self._context.hide_own_ops():
-            return self._pack_quietly(tensor)
+            return self._pack_in_hidden_scope(tensor)
 
-    def _pack_quietly(self, tensor: torch.Tensor) -> torch.Tensor | KeptTensor | SwappedTensor:
+    def _pack_in_hidden_scope(self, tensor: torch.Tensor) -> torch.Tensor | KeptTensor | SwappedTensor:
+        """The pack hook's work; the caller has entered ``hide_own_ops`` (the profiler does not see its ops)."""
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
         self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
@@ -425,7 +426,7 @@ class SwapExecutor:
         if entry.reuse_source():
             self.counters.reused_original_bytes += entry.nbytes
         else:
-            entry.finish_rebuild(entry.recipe.run(self._unpack_quietly))  # (its recipe's inputs may go)
+            entry.finish_rebuild(entry.recipe.run(self._unpack_in_hidden_scope))  # (its recipe's inputs may go)
             self._watch(entry.device_bytes.untyped_storage(), entry)
             self.counters.recomputed_bytes += entry.nbytes
             self.counters.recomputed_storages += 1
@@ -489,9 +490,9 @@ class SwapExecutor:
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         with self._context.hide_own_ops():
-            return self._unpack_quietly(packed)
+            return self._unpack_in_hidden_scope(packed)
 
-    def _unpack_quietly(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
+    def _unpack_in_hidden_scope(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         self._unpacked = True
         if self._placed.swap_ins:
             self._fire_triggers(self._context.op_clock())
