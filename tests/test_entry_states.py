@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.executor import IterationContext, SwapExecutor
 from chameleon_dist.executor.records import SwapEntry
 from chameleon_dist.executor.states import EntryState, legal_transitions
-from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
+from chameleon_dist.policy.model import Decision
+from tests.by_hand import Producers, policy_by_hand
 
 S = EntryState
 COPIED_BACK = [S.HELD, S.COPYING, S.RELEASED, S.RESTORING, S.RESTORED]
@@ -254,27 +254,13 @@ def test_a_full_host_budget_refuses_and_keeps(walks):
     assert walks() and all(walk == [S.HELD, S.REFUSED] for walk in walks()), walks()
 
 
-def _policy(decisions: list[Decision | None], key: str, swap_out_at: int = 0) -> Policy:
-    """A policy by hand, matched on save keys: ``decisions[i]`` for the i-th saved storage (None: kept)."""
-    entries = [
-        PolicyEntry(decision=d, nbytes=0, micro_batch=0, layer=-1, group=0, save_ordinal=i, layer_save_ordinal=i,
-                    save_op_index=0, calling_op="", arg_position=0, dtype="float32", shape=(), tensor_nbytes=0,
-                    swap_out_at=swap_out_at, last_forward_use=0, release_at=-1, swap_in_at=0, first_backward_use=0)
-        for i, d in enumerate(decisions) if d is not None
-    ]
-    return Policy(name="by hand", budget_bytes=0, feasible=True, predicted_peak_bytes=0, no_swap_peak_bytes=0,
-                  predicted_stall_s=0.0, predicted_recompute_s=0.0, predicted_iteration_s=0.0, compute_s=0.0,
-                  entries=entries, layers=[], num_ops=0, trace_iteration=0, settings={},
-                  save_keys=[key] * len(decisions))
-
-
 def test_passive_swap_takes_kept_tensors_out_and_back(walks):
     model = _model()
     reference = _reference_grad(model)
     device = EmulatedDevice(10**9)
     executor = SwapExecutor(device, min_swap_bytes=0)
     relieved = []
-    policy = _policy([], "none")  # matches nothing: every saved tensor is kept, a passive swap may take it
+    policy = policy_by_hand([], "none")  # matches nothing: every saved tensor is kept, a passive swap may take it
     grad, counters = _run(device, executor, model, IterationContext(policy=policy),
                           inside=lambda loss: relieved.append(executor.relieve_pressure(32 * 64 * 4)))
     assert torch.equal(grad, reference)
@@ -282,24 +268,11 @@ def test_passive_swap_takes_kept_tensors_out_and_back(walks):
     assert walks() and all(walk in (COPIED_BACK, REUSED_BACK) for walk in walks()), walks()
 
 
-class _Producers(TorchDispatchMode):
-    """Tells the executor of every op, as the runtime's profiler does while a policy recomputes."""
-
-    def __init__(self, executor: SwapExecutor) -> None:
-        super().__init__()
-        self.executor = executor
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.executor.on_produced(func, args, kwargs, out)
-        return out
-
-
 def _chain(device, executor, context, hold=False):
     """exp saves its output h (the first saved storage), gelu saves h again, sin saves y = gelu(h) (the
     second); ``hold``: the caller holds h and y, else only the graph does."""
     x = device.track(torch.linspace(-2, 2, 64 * 64).reshape(64, 64)).requires_grad_()
-    with device.active(), executor.active(context), _Producers(executor):
+    with device.active(), executor.active(context), Producers(executor):
         if hold:
             h = x.exp()
             y = torch.nn.functional.gelu(h)
@@ -315,7 +288,7 @@ def test_recompute_and_a_restore_before_the_swap_out_op(walks):
     device = EmulatedDevice(10**9)
     key = "float32[64, 64]"
 
-    recompute = _policy([Decision.SWAP, Decision.RECOMPUTE], key)
+    recompute = policy_by_hand([Decision.SWAP, Decision.RECOMPUTE], key)
     assert torch.equal(_chain(device, SwapExecutor(device, min_swap_bytes=0), IterationContext(policy=recompute)), x.grad)
     assert [S.HELD, S.PENDING_RECOMPUTE, S.REBUILT] in walks(), walks()
     assert len(walks()) == 2 and (COPIED_BACK in walks() or REUSED_BACK in walks()), walks()  # h: swapped
@@ -328,7 +301,7 @@ def test_recompute_and_a_restore_before_the_swap_out_op(walks):
                                                                                   S.REUSED_WITHOUT_COPY]]))
 
     # a swap-out placed after backward began (its op never comes): the held original is the restored copy
-    late = _policy([Decision.SWAP, None], key, swap_out_at=10**6)
+    late = policy_by_hand([Decision.SWAP, None], key, swap_out_at=10**6)
     executor = SwapExecutor(device, min_swap_bytes=0)
     before = len(walks())
     assert torch.equal(_chain(device, executor, IterationContext(policy=late, op_clock=lambda: 0)), x.grad)

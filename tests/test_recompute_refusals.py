@@ -8,38 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.executor import IterationContext, SwapExecutor
 from chameleon_dist.executor.recompute import ProducerLog
-from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
+from chameleon_dist.policy.model import Decision
+from tests.by_hand import Producers, policy_by_hand
 
 KEY = "float32[64, 64]"
-
-
-class _Producers(TorchDispatchMode):
-    """Tells the executor of every op, as the runtime's profiler does while a policy recomputes."""
-
-    def __init__(self, executor: SwapExecutor) -> None:
-        super().__init__()
-        self.executor = executor
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.executor.on_produced(func, args, kwargs, out)
-        return out
-
-
-def _recompute_first_save() -> Policy:
-    """A policy by hand: the first saved storage is recomputed (matched on save keys)."""
-    entry = PolicyEntry(decision=Decision.RECOMPUTE, nbytes=0, micro_batch=0, layer=-1, group=0, save_ordinal=0,
-                        layer_save_ordinal=0, save_op_index=0, calling_op="", arg_position=0, dtype="float32",
-                        shape=(), tensor_nbytes=0, swap_out_at=0, last_forward_use=0, release_at=-1, swap_in_at=0,
-                        first_backward_use=0)
-    return Policy(name="by hand", budget_bytes=0, feasible=True, predicted_peak_bytes=0, no_swap_peak_bytes=0,
-                  predicted_stall_s=0.0, predicted_recompute_s=0.0, predicted_iteration_s=0.0, compute_s=0.0,
-                  entries=[entry], layers=[], num_ops=0, trace_iteration=0, settings={}, save_keys=[KEY, KEY])
 
 
 class _Unseen(torch.autograd.Function):
@@ -105,38 +82,34 @@ def _x() -> torch.Tensor:
     return torch.linspace(-2, 2, 64 * 64).reshape(64, 64)
 
 
-@pytest.mark.parametrize("how", list(MAKERS))
-def test_a_storage_written_after_its_creation_is_kept_not_recomputed(how):
-    model = _Model(MAKERS[how])
+def _recomputing(model) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The input's gradient without Chameleon, and with a policy that recomputes the first saved storage,
+    with that run's counters."""
     x = _x().requires_grad_()
     model(x).backward()
     reference = x.grad
-
     device = EmulatedDevice(10**9)
     executor = SwapExecutor(device, min_swap_bytes=0)
     x = device.track(_x()).requires_grad_()
-    with device.active(), executor.active(IterationContext(policy=_recompute_first_save())) as counters, \
-            _Producers(executor):
+    policy = policy_by_hand([Decision.RECOMPUTE, None], KEY)
+    with device.active(), executor.active(IterationContext(policy=policy)) as counters, Producers(executor):
         model(x).backward()
+    return reference, x.grad, counters
+
+
+@pytest.mark.parametrize("how", list(MAKERS))
+def test_a_storage_written_after_its_creation_is_kept_not_recomputed(how):
+    reference, grad, counters = _recomputing(_Model(MAKERS[how]))
     assert counters.recompute_unavailable == 1
     assert counters.recomputed_storages == 0
-    assert torch.equal(x.grad, reference)
+    assert torch.equal(grad, reference)
 
 
 def test_a_storage_not_written_is_still_recomputed():
     """The control: the same model without the write is rebuilt from its producer, bit for bit."""
-    model = _Model(lambda x: x * 2)
-    x = _x().requires_grad_()
-    model(x).backward()
-    reference = x.grad
-    device = EmulatedDevice(10**9)
-    executor = SwapExecutor(device, min_swap_bytes=0)
-    x = device.track(_x()).requires_grad_()
-    with device.active(), executor.active(IterationContext(policy=_recompute_first_save())) as counters, \
-            _Producers(executor):
-        model(x).backward()
+    reference, grad, counters = _recomputing(_Model(lambda x: x * 2))
     assert counters.recompute_unavailable == 0 and counters.recomputed_storages == 1
-    assert torch.equal(x.grad, reference)
+    assert torch.equal(grad, reference)
 
 
 def test_the_producer_log_asks_the_same_judge():
