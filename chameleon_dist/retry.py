@@ -104,7 +104,7 @@ class GradientSnapshot:
                 unseen = kept is None and position not in self._zeroed and grad._version != self._versions[position]
                 if unseen and self._nonzero.known_zero(position, wait=True):
                     self._zeroed.add(position)  # (started at 0: the closure's write is undone by zeroing)
-                elif (unseen or position in self._written) and bool(_current(grad, kept, self._device).any()):
+                elif (unseen or position in self._written) and bool(_current(grad, kept).any()):
                     raise RuntimeError(
                         f"cannot retry the iteration: the gradient of a parameter {list(grad.shape)} was written in "
                         "place inside the closure before backward reached it, and the gradient snapshot keeps a "
@@ -112,10 +112,8 @@ class GradientSnapshot:
                         "backward, zero them with zero_grad(set_to_none=True), or set executor.max_oom_retries: 0.")
                 if position in self._zeroed:
                     grad.zero_()
-                elif isinstance(kept, torch.Tensor):
-                    grad.copy_(kept)
                 elif kept is not None:
-                    grad.copy_(self._device.wait(kept).view(grad.dtype).view(grad.shape))
+                    grad.copy_(_current(grad, kept))
                 if parameter.grad is not grad:
                     parameter.grad = grad
 
@@ -131,13 +129,14 @@ class GradientSnapshot:
         self._nonzero.close()
 
 
-def _current(grad: torch.Tensor, kept: Any, device: Device | None) -> torch.Tensor:
-    """What a retry would give back at a position: its copy, else the gradient as it is now."""
+def _current(grad: torch.Tensor, kept: Any) -> torch.Tensor:
+    """What a retry would give back at a position: its host copy (a CPU tensor, or a device handle's bytes seen
+    as the gradient), else the gradient as it is now. The caller synchronised the device: every copy landed."""
     if kept is None:
         return grad
     if isinstance(kept, torch.Tensor):
         return kept
-    return kept.result  # (the caller synchronised the device: the copy has landed)
+    return kept.result.view(grad.dtype).view(grad.shape)
 
 
 class _NonzeroBits:
