@@ -106,8 +106,6 @@ class Chameleon:
         device: the device to meter and swap on; default: made from ``config.device`` (the emulated
             device on a machine without CUDA). A device passed without a host budget takes
             ``config.host_memory_budget``.
-        process_groups: the rank's process groups (kept for the distributed integrations; the runtime
-            never creates one).
         coordinates: the rank's place in a distributed job, shown in every report (``rank``); the engine
             integrations read it from the process groups. None: a job of one rank.
 
@@ -132,7 +130,6 @@ class Chameleon:
         self,
         config: ChameleonConfig | dict | str | None = None,
         device: Device | None = None,
-        process_groups: Any = None,
         coordinates: RankCoordinates | None = None,
     ) -> None:
         self.config = load_config(config)
@@ -144,13 +141,12 @@ class Chameleon:
             raise ConfigError(problems)
         if device is not None and device.host_pool.budget_bytes is None and "host_memory_budget" in self.config.model_fields_set:
             # a device made without a host budget takes the config's (a different one is an error above)
-            device.host_pool.budget_bytes = self.config.host_memory_budget_bytes()
-        self.process_groups = process_groups
+            device.host_pool.adopt_budget(self.config.host_memory_budget_bytes())
         self.memory_budget_bytes = self.config.memory_budget_bytes(self.device.capacity_bytes)
         self.executor = SwapExecutor(
-            self.device, self.config.min_swap_bytes, prefetch_depth=self.config.executor.prefetch_depth
+            self.device, self.config.min_swap_bytes, prefetch_depth=self.config.executor.prefetch_depth,
+            prefetch_limit_bytes=self.memory_budget_bytes,
         )
-        self.executor.prefetch_limit_bytes = self.memory_budget_bytes
         profiler = self.config.profiler
         self.profiler = OnlineProfiler(
             profiler.warmup_iterations,
@@ -358,21 +354,8 @@ class Chameleon:
         gradients = GradientSnapshot(self._retry_parameters(optimizer), self.device) if retries else None
         with self.iteration(), contextlib.closing(gradients) if retries else contextlib.nullcontext():
             random_state = RandomState(self.device)
-            for attempt in range(retries + 1):
-                if attempt:
-                    random_state.restore()
-                try:
-                    result = closure()
-                except torch.OutOfMemoryError as exc:
-                    if attempt == retries:
-                        raise self._final_out_of_memory(exc, attempt) from exc
-                    reason = str(exc)
-                    drop_failed_frames(exc)
-                else:
-                    if optimizer is not None:
-                        with self.optimizer_phase(), optimizer_state_guard(optimizer):
-                            optimizer.step()
-                    return result
+
+            def reset() -> None:
                 gradients.restore()
                 if optimizer is None and not self._warned_unknown_parameters:
                     self._warned_unknown_parameters = True
@@ -382,7 +365,51 @@ class Chameleon:
                         "not known) keep what the failed attempt accumulated. Pass optimizer= to run_iteration "
                         "or attach() every model that gets gradients.", len(gradients),
                     )
-                self._recover(reason)
+                random_state.restore()
+
+            result = self.retry_out_of_memory(closure, reset)
+            if optimizer is not None:
+                with self.optimizer_phase(), optimizer_state_guard(optimizer):
+                    optimizer.step()
+            return result
+
+    def retry_out_of_memory(self, attempt: Callable[[], T], reset: Callable[[], None],
+                            on_last: Callable[[torch.OutOfMemoryError], None] | None = None) -> T:
+        """The one retry loop (``run_iteration``, DeepSpeed's ``run_window`` and ``train_batch`` use it): run
+        ``attempt`` inside the open iteration; on an out-of-memory error let go of the failed attempt's frames,
+        call ``reset`` (the caller puts back what the attempt changed: gradients, random state, engine
+        counters), start the iteration over with what the controller decides for the retry (``RetryAction``,
+        applied by the executor), and run ``attempt`` again, up to ``executor.max_oom_retries`` times (never
+        when disabled). Other exceptions propagate at once.
+
+        An out-of-memory error after which the iteration is no longer open (the attempt closed it: an
+        integration's error that cannot be retried, such as one rank of several) propagates as it is. After
+        the last retry, ``on_last`` gets the error that will be raised (it says why swapping could not make
+        room and what to change), then it is raised.
+
+        Raises:
+            RuntimeError: when no iteration is open (enter ``iteration()`` first).
+        """
+        if self._running is None:
+            raise RuntimeError("Chameleon.retry_out_of_memory runs inside an open iteration: enter iteration() first")
+        retries = self.config.executor.max_oom_retries if self.config.enabled else 0
+        for attempt_number in range(retries + 1):
+            try:
+                return attempt()
+            except torch.OutOfMemoryError as exc:
+                if self._running is None:  # the attempt closed the iteration: nothing is left to retry
+                    raise
+                if attempt_number == retries:
+                    final = self._final_out_of_memory(exc, attempt_number)
+                    if on_last is not None:
+                        on_last(final)
+                    if final is exc:
+                        raise
+                    raise final from exc
+                reason = str(exc)
+                drop_failed_frames(exc)
+            reset()
+            self._recover(reason)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _retry_parameters(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:

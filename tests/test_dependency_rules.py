@@ -126,3 +126,52 @@ def test_library_logs_instead_of_printing():
 def test_modules_stay_small():
     big = [f"{rel} ({n} lines)" for rel, n in ((p.relative_to(PACKAGE), len(p.read_text().splitlines())) for p in PACKAGE.rglob("*.py")) if n > 600]
     assert not big, big
+
+
+def _integration_classes():
+    for rel, tree in _modules():
+        if rel.parts[0] == "integrations":
+            yield from ((rel, node) for node in ast.walk(tree) if isinstance(node, ast.ClassDef))
+
+
+def test_integrations_hold_the_runtime_instead_of_subclassing_it():
+    """Megatron's and DeepSpeed's objects hold a ``Chameleon`` (issue 25): none subclasses it."""
+    offenders = [f"{rel}: {node.name}({ast.unparse(base)})" for rel, node in _integration_classes()
+                 for base in node.bases if ast.unparse(base).split(".")[-1] == "Chameleon"]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_integrations_keep_no_instance_state_in_class_attributes():
+    """A class body in integrations/ assigns only constants (UPPER_CASE names) or a dataclass's field defaults;
+    per-object state lives in ``__init__`` (a class attribute read as ``self.x`` and then written is shared
+    until the first write)."""
+    offenders = []
+    for rel, node in _integration_classes():
+        if any("dataclass" in ast.unparse(decorator) for decorator in node.decorator_list):
+            continue
+        for statement in node.body:
+            targets = (statement.targets if isinstance(statement, ast.Assign) else
+                       [statement.target] if isinstance(statement, ast.AnnAssign) and statement.value is not None
+                       else [])
+            offenders += [f"{rel}: {node.name}.{ast.unparse(t)}" for t in targets
+                          if not (isinstance(t, ast.Name) and t.id.isupper())]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_integrations_call_no_private_member_of_the_runtime():
+    """The integrations drive the runtime through its public methods only: no ``runtime._x`` (nor
+    ``self.runtime._x``, ``chameleon._x``) and no ``super()._x``."""
+    held_names = {"runtime", "chameleon", "integration"}
+    offenders = []
+    for rel, tree in _modules():
+        if rel.parts[0] != "integrations":
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            is_super = isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "super"
+            if name in held_names or is_super:
+                offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "\n".join(offenders)

@@ -96,6 +96,15 @@ class HostBufferPool:
         self.arena: HostArena | None = None
         self.arena_attempted = False
 
+    def adopt_budget(self, budget_bytes: int | None) -> None:
+        """Take ``budget_bytes`` as the budget of a pool made without one (a device built before its runtime's
+        config was read: the runtime hands it the config's). A pool that has a budget keeps it (a different
+        one is the caller's error to report)."""
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"host_memory_budget must be >= 0 bytes, got {budget_bytes}")
+        if self.budget_bytes is None:
+            self.budget_bytes = budget_bytes
+
     @property
     def reserved_bytes(self) -> int:
         """Bytes the pool holds from the host: buffers in use, cached free ones, and the arena's unlent bytes."""

@@ -67,6 +67,8 @@ class SwapExecutor:
         prefetch_depth: without a planned swap-in point, how many swapped storages (in reverse save
             order) are brought back ahead of the one backward needs. More hides more copy time but holds
             more device memory during backward.
+        prefetch_limit_bytes: a planned swap-in waits while it would take the device above this many bytes
+            (the runtime passes the memory budget); None: no limit.
 
     Raises:
         ValueError: for a negative ``min_swap_bytes`` or ``prefetch_depth``.
@@ -84,7 +86,8 @@ class SwapExecutor:
     pressure handler). After an out-of-memory error, ``new_attempt`` starts the iteration over.
     """
 
-    def __init__(self, device: Device, min_swap_bytes: int, prefetch_depth: int = 2) -> None:
+    def __init__(self, device: Device, min_swap_bytes: int, prefetch_depth: int = 2,
+                 prefetch_limit_bytes: int | None = None) -> None:
         if min_swap_bytes < 0:
             raise ValueError(f"min_swap_bytes must be >= 0, got {min_swap_bytes}")
         if prefetch_depth < 0:
@@ -93,7 +96,7 @@ class SwapExecutor:
         self.min_swap_bytes = min_swap_bytes
         self.prefetch_depth = prefetch_depth
         # planned swap-ins wait while they would take the device above this (the runtime: the memory budget)
-        self.prefetch_limit_bytes: int | None = None
+        self.prefetch_limit_bytes = prefetch_limit_bytes
         self.counters = SwapCounters()
         self._protection = StorageProtection()
         # (``_order``, ``_kept`` and ``_placed`` are shared with the pressure relief: cleared in place, never rebound)

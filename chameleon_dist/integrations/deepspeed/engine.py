@@ -52,10 +52,11 @@ from chameleon_dist.integrations.deepspeed.upstream import verify_deepspeed
 from chameleon_dist.integrations.deepspeed.replay import (
     ReplayIterator, WindowDiscardedOutOfMemoryError, WindowStart, reset_window,
 )
-from chameleon_dist.integrations.open_iteration import OpenIteration, SettingNames
-from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError
+from chameleon_dist.integrations.held_runtime import HeldRuntime
+from chameleon_dist.integrations.open_iteration import SettingNames
+from chameleon_dist.ranks import RankCoordinates, RankLogPrefix
 from chameleon_dist.retry import OptimizerStepOutOfMemoryError
-from chameleon_dist.runtime import Chameleon, drop_failed_frames
+from chameleon_dist.runtime import Chameleon
 
 logger = logging.getLogger(__name__)
 
@@ -74,19 +75,16 @@ def deepspeed_config_of(args: Any = None, config: Any = None, config_params: Any
     return None
 
 
-class DeepSpeedChameleon(Chameleon):
-    """The rank's runtime plus the hooks on one ``DeepSpeedEngine`` (``engine.chameleon``)."""
-
-    _engine: Any = None  # the engine followed (``follow``, ``follow_pipeline``)
-    _replaying = False  # inside run_window or train_batch: an out-of-memory error is replayed, not raised
-    _window_start: WindowStart | None = None
-    _in_step = False  # inside the boundary's optimizer step
-    _step_error: BaseException | None = None  # the last error that escaped an optimizer step
+class DeepSpeedChameleon(HeldRuntime):
+    """The rank's runtime (``runtime``, a ``Chameleon``) and the hooks on one ``DeepSpeedEngine``
+    (``engine.chameleon``): each accumulation window is one iteration of the runtime (``open_iteration``)."""
 
     def __init__(self, config: ChameleonConfig, coordinates: RankCoordinates) -> None:
-        super().__init__(config, coordinates=coordinates)
+        super().__init__(Chameleon(config, coordinates=coordinates), DEEPSPEED_SETTINGS)
         self._log_prefix = RankLogPrefix(coordinates).install()
-        self._window = OpenIteration(self, DEEPSPEED_SETTINGS)  # the iteration of the current accumulation window
+        self._engine: Any = None  # the engine followed (``follow``, ``follow_pipeline``)
+        self._replaying = False  # inside run_window or train_batch: an out-of-memory error is replayed, not raised
+        self._window_start: WindowStart | None = None
         self._forwards = 0
         self._backwards = 0
 
@@ -95,35 +93,39 @@ class DeepSpeedChameleon(Chameleon):
         untouched) so that each accumulation window is one iteration."""
         forward, backward, step = engine.forward, engine.backward, engine.step
         clock = self.profiler.micro_batches
+        window = self.open_iteration
         self._engine = engine
 
         @functools.wraps(forward)
         def forwarding(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)  # evaluation: not part of an iteration
-            if not self._window.active:
+            if not window.active:
                 self._begin()
             clock.enter(self._forwards)
             self._forwards += 1
-            return self._guarded(forward, args, kwargs)
+            return self._guarded(forward, *args, **kwargs)
 
         @functools.wraps(backward)
         def backwarding(*args: Any, **kwargs: Any) -> Any:
-            if not self._window.active:
+            if not window.active:
                 return backward(*args, **kwargs)
             clock.enter(self._backwards)
             self._backwards += 1
-            return self._guarded(backward, args, kwargs)
+            return self._guarded(backward, *args, **kwargs)
+
+        def boundary_step(*args: Any, **kwargs: Any) -> Any:
+            with self._boundary_step():
+                return step(*args, **kwargs)
 
         @functools.wraps(step)
         def stepping(*args: Any, **kwargs: Any) -> Any:
-            if not self._window.active:
+            if not window.active:
                 return step(*args, **kwargs)
             if not engine.is_gradient_accumulation_boundary():
-                return self._guarded(step, args, kwargs)  # (a window's inner step: little work, still guarded)
-            with self.optimizer_phase():
-                result = self._guarded(step, args, kwargs)
-            self._finish()
+                return self._guarded(step, *args, **kwargs)  # (a window's inner step: little work, still guarded)
+            result = self._guarded(boundary_step, *args, **kwargs)
+            window.finish()
             return result
 
         engine.forward, engine.backward, engine.step = forwarding, backwarding, stepping
@@ -138,10 +140,11 @@ class DeepSpeedChameleon(Chameleon):
         from deepspeed.runtime.pipe import schedule
 
         clock = self.profiler.micro_batches
+        window = self.open_iteration
 
         def counted(original: Any, backward: bool) -> Any:
             def run(engine_self: Any, *args: Any, **kwargs: Any) -> Any:
-                if self._window.active:
+                if window.active:
                     slot = self._backwards if backward else self._forwards
                     clock.enter(slot)
                     if backward:
@@ -154,7 +157,7 @@ class DeepSpeedChameleon(Chameleon):
 
         def stepping(original: Any) -> Any:
             def run(engine_self: Any, *args: Any, **kwargs: Any) -> Any:
-                with self.optimizer_phase():
+                with self._boundary_step():
                     return original(engine_self, *args, **kwargs)
 
             return run
@@ -180,37 +183,53 @@ class DeepSpeedChameleon(Chameleon):
                 engine.data_iterator = data
             self._begin()
             try:
-                result = self._replay(lambda: self._guarded(train_batch, args, kwargs),
+                result = self._replay(lambda: self._guarded(train_batch, *args, **kwargs),
                                       on_retry=data.rewind if data is not None else None)
             finally:
                 if data is not None and engine.data_iterator is data:
                     engine.data_iterator = source  # what later batches read on from
-            self._finish()
+            window.finish()
             return result
 
         engine.train_batch = training
         return engine
 
     def _begin(self) -> None:
-        self._window.begin()
+        self.open_iteration.begin()
         self._forwards = self._backwards = 0
 
-    def _finish(self) -> None:
-        self._window.finish()
+    def _replays_alone(self) -> bool:
+        """Whether an out-of-memory error can be handled on this rank: one rank, inside an open window."""
+        return self.open_iteration.active and self.coordinates.world_size == 1
 
-    def _guarded(self, call: Any, args: tuple, kwargs: dict) -> Any:
+    def _guarded(self, call: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``call`` inside the open window: an out-of-memory error of a single rank is replayed (inside
+        ``run_window`` / ``train_batch``) or discards the window; any other error of an open window closes it as
+        failed (``OpenIteration.fail``: several ranks raise ``RankOutOfMemoryError``). An error that already
+        closed the window propagates as it is."""
         try:
             return call(*args, **kwargs)
         except Exception as exc:
-            if (isinstance(exc, torch.OutOfMemoryError) and not isinstance(exc, RankOutOfMemoryError)
-                    and self._window.active and self.coordinates.world_size == 1):
-                in_step, self._step_error = self._in_step or exc is self._step_error, None
-                if self._replaying and not in_step:
-                    raise  # run_window / train_batch reset the window and run it again
-                raise self._discard_window(exc, in_step) from exc
-            if isinstance(exc, RankOutOfMemoryError) or not self._window.active:
+            if not self.open_iteration.active:
                 raise
-            self._window.fail(exc, "an accumulation window")  # (several ranks: no rank replays alone)
+            if isinstance(exc, torch.OutOfMemoryError) and self._replays_alone():
+                if self._replaying:
+                    raise  # run_window / train_batch reset the window and run it again
+                raise self._discard_window(exc) from exc
+            self.open_iteration.fail(exc, "an accumulation window")  # (several ranks: no rank replays alone)
+
+    @contextlib.contextmanager
+    def _boundary_step(self) -> Iterator[None]:
+        """The boundary's optimizer step, run as the optimizer's ops; an out-of-memory error inside it is not
+        replayed (the step may already have changed parameters): the window is discarded and
+        ``OptimizerStepOutOfMemoryError`` raised (one rank; several ranks: ``_guarded`` fails the window)."""
+        with self.runtime.optimizer_phase():
+            try:
+                yield
+            except torch.OutOfMemoryError as exc:
+                if not self._replays_alone():
+                    raise
+                raise self._discard_window(exc, in_step=True) from exc
 
     def run_window(self, closure: Callable[[], T]) -> T:
         """Run one whole gradient-accumulation window of a plain ``DeepSpeedEngine``, replaying it from its start
@@ -237,51 +256,41 @@ class DeepSpeedChameleon(Chameleon):
             raise RuntimeError("run_window is for a plain DeepSpeedEngine: PipelineEngine.train_batch replays a "
                                "batch that runs out of memory by itself")
         managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
-        if self._window.active or (managed and engine.micro_steps % engine.gradient_accumulation_steps()):
+        if self.open_iteration.active or (managed and engine.micro_steps % engine.gradient_accumulation_steps()):
             raise RuntimeError(f"run_window must start at an accumulation window's start: engine.micro_steps is "
                                f"{engine.micro_steps} with gradient_accumulation_steps "
                                f"{engine.gradient_accumulation_steps()} (a forward ran outside run_window)")
         self._begin()
         result = self._replay(closure)
-        if self._window.active:
+        if self.open_iteration.active:
             logger.warning("run_window: the closure returned before the window's boundary engine.step(); the "
                            "window stays open and only its part inside run_window could be replayed")
         return result
 
     def _replay(self, attempt: Callable[[], T], on_retry: Callable[[], None] | None = None) -> T:
-        """Run ``attempt`` (a whole window, inside the open iteration); on out of memory reset the window, let
-        the runtime tighten swapping (``_recover``) and run it again, as ``run_iteration`` does."""
-        retries = self.config.executor.max_oom_retries if self.config.enabled else 0
+        """Run ``attempt`` (a whole window, inside the open iteration) through the runtime's retry loop
+        (``Chameleon.retry_out_of_memory``): on out of memory the window is reset to its start and run again."""
+        window = self.open_iteration
         self._window_start = WindowStart(self._engine, self.device)
+
+        def reset() -> None:
+            reset_window(self._engine, self._window_start)
+            self._forwards = self._backwards = 0
+            self.profiler.micro_batches.clear()
+            if on_retry is not None:
+                on_retry()
+
         self._replaying = True
         try:
-            for attempt_number in range(retries + 1):
-                try:
-                    return attempt()
-                except torch.OutOfMemoryError as exc:
-                    if not self._window.active:  # already closed: several ranks, the optimizer step
-                        raise
-                    if attempt_number == retries:
-                        final = self._final_out_of_memory(exc, attempt_number)
-                        if final is exc:
-                            raise self._discard_window(exc, False, final=True)
-                        raise self._discard_window(final, False, final=True) from exc
-                    reason = str(exc)
-                    drop_failed_frames(exc)
-                except BaseException as exc:
-                    self._window.close_failed(exc)
-                    raise
-                reset_window(self._engine, self._window_start)
-                self._forwards = self._backwards = 0
-                self.profiler.micro_batches.clear()
-                if on_retry is not None:
-                    on_retry()
-                self._recover(reason)
-            raise AssertionError("unreachable: the last attempt returns or raises")
+            return self.runtime.retry_out_of_memory(
+                attempt, reset, on_last=lambda error: self._discard_window(error, final=True))
+        except BaseException as exc:
+            window.close_failed(exc)  # (nothing to do when the attempt or the last retry closed it already)
+            raise
         finally:
             self._replaying, self._window_start = False, None
 
-    def _discard_window(self, exc: torch.OutOfMemoryError, in_step: bool,
+    def _discard_window(self, exc: torch.OutOfMemoryError, in_step: bool = False,
                         final: bool = False) -> torch.OutOfMemoryError:
         """Reset the window (nothing it accumulated is ever stepped), close its iteration as failed, and return
         the error to raise: ``exc`` after the last replay, else one that says what happened."""
@@ -304,27 +313,12 @@ class DeepSpeedChameleon(Chameleon):
                 "optimizer did not step and the next window starts clean. Chameleon can replay a window only "
                 "when it runs it: call engine.chameleon.run_window(closure) with a closure that runs the "
                 "window's micro-batches (forward, engine.backward, engine.step) on batches fetched before it.")
-        self._window.close_failed(error)
+        self.open_iteration.close_failed(error)
         logger.warning("accumulation window discarded after out of memory: %s", str(error).splitlines()[0])
         return error
 
-    @contextlib.contextmanager
-    def optimizer_phase(self) -> Iterator[None]:
-        """The runtime's optimizer phase; also marks the boundary's optimizer step, whose out-of-memory errors
-        are not replayed."""
-        self._in_step = True
-        try:
-            with super().optimizer_phase():
-                yield
-        except torch.OutOfMemoryError as exc:
-            if not isinstance(exc, OptimizerStepOutOfMemoryError):  # not handled yet: train_batch's, seen there
-                self._step_error = exc
-            raise
-        finally:
-            self._in_step = False
-
     def close(self) -> None:
-        self._finish()
+        self.open_iteration.finish()
         self._log_prefix.remove()
 
 
@@ -374,12 +368,15 @@ def install(engine: Any, config: ChameleonConfig) -> DeepSpeedChameleon:
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     verify_deepspeed()  # (upstream.py: every DeepSpeed attribute changed below, checked before any is)
-    runtime = DeepSpeedChameleon(config, _coordinates(engine))
-    runtime.attach(engine.module)
-    track_engine_buffers(runtime.device, engine)  # (what initialize made: a GPU's allocator counts it)
+    integration = DeepSpeedChameleon(config, _coordinates(engine))
+    integration.runtime.attach(engine.module)
+    track_engine_buffers(integration.device, engine)  # (what initialize made: a GPU's allocator counts it)
     if engine.zero_optimization_stage() == 3:
-        protect_gathered_parameters(runtime.executor, engine.module)
-    runtime.follow_pipeline(engine) if isinstance(engine, PipelineEngine) else runtime.follow(engine)
-    engine.chameleon = runtime
-    logger.info("installed on %s%s", runtime.coordinates.label, "" if config.enabled else " (measuring only)")
-    return runtime
+        protect_gathered_parameters(integration.executor, engine.module)
+    if isinstance(engine, PipelineEngine):
+        integration.follow_pipeline(engine)
+    else:
+        integration.follow(engine)
+    engine.chameleon = integration
+    logger.info("installed on %s%s", integration.coordinates.label, "" if config.enabled else " (measuring only)")
+    return integration

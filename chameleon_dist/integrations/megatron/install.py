@@ -33,7 +33,8 @@ from chameleon_dist.config.megatron_args import config_from_megatron_args
 from chameleon_dist.device.base import Device
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu
 from chameleon_dist.integrations.megatron.schedule import ScheduleTracker, schedule_patches
-from chameleon_dist.integrations.open_iteration import OpenIteration, SettingNames
+from chameleon_dist.integrations.held_runtime import HeldRuntime
+from chameleon_dist.integrations.open_iteration import SettingNames
 from chameleon_dist.patching import PatchSet, apply_patches
 from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError  # noqa: F401 (re-exported)
 from chameleon_dist.runtime import Chameleon
@@ -112,19 +113,18 @@ def _workspaces() -> list[torch.Tensor]:
     return list(parallel_state.get_global_memory_buffer().buffer.values())
 
 
-class MegatronChameleon(Chameleon):
-    """The rank's runtime (a ``Chameleon``) plus what a Megatron job needs: ``wrap`` for the schedule's
-    ``forward_backward_func``, ``watch_step`` for the optimizer, the rank's ``coordinates``, and ``close``.
-    Made by ``install``."""
+class MegatronChameleon(HeldRuntime):
+    """The rank's runtime (``runtime``, a ``Chameleon``) and what a Megatron job needs around it: ``wrap`` for the
+    schedule's ``forward_backward_func``, ``watch_step`` for the optimizer, the schedule's ``tracker``, and
+    ``close``. Each call of the wrapped schedule opens one iteration of the runtime (``open_iteration``) that
+    the optimizer step closes. Made by ``install``."""
 
-    def __init__(self, config: ChameleonConfig, coordinates: RankCoordinates, device: Device | None = None,
-                 process_groups: Any = None, cuda_literals_on_cpu: bool = False) -> None:
-        super().__init__(config, device=device, process_groups=process_groups, coordinates=coordinates)
-        self.tracker = ScheduleTracker(self.profiler.micro_batches, self.executor.protect_now)
+    def __init__(self, runtime: Chameleon, cuda_literals_on_cpu: bool = False) -> None:
+        super().__init__(runtime, MEGATRON_SETTINGS)
+        self.tracker = ScheduleTracker(runtime.profiler.micro_batches, runtime.executor.protect_now)
         self._patches: PatchSet = apply_patches(schedule_patches(self.tracker))
-        self._log_prefix = RankLogPrefix(coordinates)
+        self._log_prefix = RankLogPrefix(runtime.coordinates)
         self._cuda_literals_on_cpu = cuda_literals_on_cpu
-        self._open = OpenIteration(self, MEGATRON_SETTINGS)  # the iteration between the call and the step
         self._steps_closing = False
 
     def start(self) -> "MegatronChameleon":
@@ -134,7 +134,7 @@ class MegatronChameleon(Chameleon):
 
     def close(self) -> None:
         """Close an open iteration, take the schedule patches and the log prefix off (idempotent)."""
-        self._open.finish()
+        self.open_iteration.finish()
         if self._patches.active:
             self._patches.restore()
         self._log_prefix.remove()
@@ -143,6 +143,7 @@ class MegatronChameleon(Chameleon):
     def wrap(self, forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
         """``forward_backward_func`` (from ``get_forward_backward_func()``) as one iteration per call; same
         arguments and result. A ``forward_only=True`` call (evaluation) is passed through untouched."""
+        opened = self.open_iteration
 
         @functools.wraps(forward_backward_func)
         def forward_backward(*args: Any, **kwargs: Any) -> Any:
@@ -150,17 +151,17 @@ class MegatronChameleon(Chameleon):
             if kwargs.get("forward_only", False):
                 with literals:
                     return forward_backward_func(*args, **kwargs)
-            self._open.begin()  # (closes the previous call's iteration if its optimizer step never came)
+            opened.begin()  # (closes the previous call's iteration if its optimizer step never came)
             self.tracker.begin()
             try:
                 with literals:
                     result = forward_backward_func(*args, **kwargs)
             except Exception as exc:
-                self._open.fail(exc)
+                opened.fail(exc)
             finally:
                 self.tracker.end()
             if not self._steps_closing:
-                self._open.finish()
+                opened.finish()
             return result
 
         return forward_backward
@@ -169,17 +170,18 @@ class MegatronChameleon(Chameleon):
         """Make ``optimizer.step()`` (a torch or a Megatron optimizer) the end of the open iteration: it runs
         inside it, marked as the optimizer's ops, and closes it. Returns ``optimizer``."""
         original = optimizer.step
+        opened = self.open_iteration
 
         @functools.wraps(original)
         def step(*args: Any, **kwargs: Any) -> Any:
-            if not self._open.active:
+            if not opened.active:
                 return original(*args, **kwargs)
             try:
-                with self.optimizer_phase():
+                with self.runtime.optimizer_phase():
                     result = original(*args, **kwargs)
             except Exception as exc:
-                self._open.fail(exc)
-            self._open.finish()
+                opened.fail(exc)
+            opened.finish()
             return result
 
         optimizer.step = step
@@ -219,8 +221,7 @@ def install(
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     coordinates = coordinates_of(chunks, process_groups)
-    runtime = MegatronChameleon(_config(config), coordinates, device=device, process_groups=process_groups,
-                                cuda_literals_on_cpu=cuda_literals_on_cpu)
+    runtime = Chameleon(_config(config), device=device, coordinates=coordinates)
     for buffer in _gradient_buffers(chunks):
         track = getattr(runtime.device, "track", None)  # the emulated device counts what it did not see made
         if track is not None:
@@ -228,11 +229,12 @@ def install(
     runtime.executor.protect(lambda: [*_gradient_buffers(chunks), *_workspaces()])
     for chunk in chunks:
         runtime.attach(_unwrapped(chunk))
+    integration = MegatronChameleon(runtime, cuda_literals_on_cpu=cuda_literals_on_cpu)
     if optimizer is not None:
-        runtime.watch_step(optimizer)
-    runtime.start()
+        integration.watch_step(optimizer)
+    integration.start()
     logger.info("installed on %s (%d model chunk%s)", coordinates.label, len(chunks), "" if len(chunks) == 1 else "s")
-    return runtime
+    return integration
 
 
 @contextlib.contextmanager
