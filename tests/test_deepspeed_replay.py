@@ -17,6 +17,7 @@ import torch.distributed as dist  # noqa: E402
 
 from chameleon_dist.integrations.deepspeed.engine import initialize  # noqa: E402
 from chameleon_dist.integrations.deepspeed.replay import WindowDiscardedOutOfMemoryError  # noqa: E402
+from chameleon_dist.retry import OptimizerStepOutOfMemoryError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning", "ignore::FutureWarning")
 
@@ -233,3 +234,69 @@ def test_user_loop_discards_the_window_and_the_next_starts_clean(stage):
     assert engine.global_steps == 2 and engine.chameleon.last_report.iteration == 2
     _, _, skipped_params = _user_loop(stage, Fault(), [0, 2])  # window 1's data never seen
     assert _identical(skipped_params, params)
+
+
+def _fail_first_optimizer_step(engine) -> dict:
+    """``engine.optimizer.step`` raises ``torch.OutOfMemoryError`` on its first call (window 0's boundary)."""
+    original, calls = engine.optimizer.step, {"n": 0}
+
+    def step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("injected out of memory in the optimizer step")
+        return original(*args, **kwargs)
+
+    engine.optimizer.step = step
+    return calls
+
+
+def _assert_step_failure(engine, error: BaseException, calls: dict) -> None:
+    assert isinstance(error, OptimizerStepOutOfMemoryError) and "optimizer step" in str(error)
+    assert "injected" in str(error.__cause__)
+    assert calls["n"] == 1  # not replayed: the step may have changed parameters
+    report = engine.chameleon.last_report
+    assert report.failed and report.iteration == 1 and report.oom_retries == 0
+    assert engine.global_steps == 0 and not engine.chameleon.open_iteration.active
+
+
+def test_out_of_memory_in_the_boundary_step_is_not_replayed_and_the_next_window_runs():
+    """run_window: the boundary's optimizer step fails; the window is discarded, never replayed, and the
+    next window trains as iteration 1."""
+    torch.manual_seed(0)
+    engine, *_ = initialize(model=TinyGPT(Fault()), model_parameters=None, config=_config(2))
+    calls = _fail_first_optimizer_step(engine)
+
+    def window(batches):
+        def run():
+            for tokens in batches:
+                engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+                engine.step()
+        return run
+
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        engine.chameleon.run_window(window(_micro_batches(0)))
+    _assert_step_failure(engine, raised.value, calls)
+    assert engine.micro_steps == 0
+    engine.chameleon.run_window(window(_micro_batches(1)))
+    assert engine.global_steps == 1 and engine.chameleon.last_report.iteration == 1
+    assert not engine.chameleon.last_report.failed
+    engine.chameleon.close()
+
+
+def test_out_of_memory_in_the_pipeline_optimizer_step_is_not_replayed():
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    model = PipelineModule([LayerSpec(TokenEmbedding, VOCAB, HIDDEN), LayerSpec(Block), LayerSpec(nn.Linear, HIDDEN, VOCAB)],
+                           num_stages=1, loss_fn=token_cross_entropy, partition_method="uniform")
+    engine, *_ = initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                            config=_config(1))
+    calls = _fail_first_optimizer_step(engine)
+    data = iter([(t[:, :-1], t[:, 1:]) for window in range(WINDOWS) for t in _micro_batches(window)])
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        engine.train_batch(data)
+    _assert_step_failure(engine, raised.value, calls)
+    engine.train_batch(data)
+    assert engine.global_steps == 1 and engine.chameleon.last_report.iteration == 1
+    assert next(data, None) is None
+    engine.chameleon.close()
