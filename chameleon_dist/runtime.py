@@ -1,6 +1,8 @@
 """The per-rank ``Chameleon`` runtime: it sequences the device, the profiler, the policy controller and the
 swap executor through each training iteration, and decides nothing itself (policies are chosen in
-``policy/selection.py``).
+``policy/selection.py``, what an out-of-memory retry changes too). It holds the one retry loop
+(``retry_out_of_memory``) that ``run_iteration`` and the integrations' replays run; the integrations hold a
+``Chameleon`` and use only its public methods.
 
 Usage from a plain PyTorch loop::
 

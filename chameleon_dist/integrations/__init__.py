@@ -1,6 +1,13 @@
 """Framework integrations: the only place in chameleon-dist that imports Megatron-core or DeepSpeed.
 
 Importing this package imports no framework; the submodules that need one import it themselves.
+
+Shape: each framework's object (``megatron.install`` returns a ``MegatronChameleon``; DeepSpeed's
+``engine.chameleon`` is a ``DeepSpeedChameleon``) holds the rank's ``Chameleon`` as ``runtime`` and an
+``OpenIteration`` (``held_runtime.py``, ``open_iteration.py``); it drives the runtime through its public methods
+only (``iteration``, ``retry_out_of_memory``, ``optimizer_phase``, ``attach``). What either changes in framework
+code is declared: ``Patch`` records for functions (``defined_patches``), ``InstanceChange`` records for attributes
+of framework objects (``defined_instance_changes``, DeepSpeed's in ``deepspeed/upstream.py``).
 """
 
 from __future__ import annotations
