@@ -38,10 +38,10 @@ Gradients stay allocated between steps (``zero_grad(set_to_none=False)``), one t
 is then the runtime's own cost (signature, matching, profiling, trials, the ops its hooks add) on a sequence
 that keeps changing.
 
-    .venv/bin/python launch/bench_dynamic.py --json runs/bench_dynamic.json   # a few minutes on 2 cores
-    .venv/bin/python launch/bench_dynamic.py --host-op-s measured             # the host's measured time
-    .venv/bin/python launch/bench_dynamic.py --instant-link --min-swap-kib 1  # the runtime's own cost
-    .venv/bin/python launch/bench_dynamic.py --small                          # seconds (smoke test)
+    .venv/bin/python -m launch.bench_dynamic --json runs/bench_dynamic.json   # a few minutes on 2 cores
+    .venv/bin/python -m launch.bench_dynamic --host-op-s measured             # the host's measured time
+    .venv/bin/python -m launch.bench_dynamic --instant-link --min-swap-kib 1  # the runtime's own cost
+    .venv/bin/python -m launch.bench_dynamic --small                          # seconds (smoke test)
 """
 
 from __future__ import annotations
@@ -58,15 +58,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.bench_executor import MIB, Variant, host_batch  # noqa: E402
-from launch.device_clock import (  # noqa: E402
+from launch.bench_executor import MIB, Variant, host_batch
+from launch.device_clock import (
     DeviceSpan, add_device_arguments, device_figures, host_bound_label, make_device, median_of, physical_bound,
 )
-from launch.harness import report_fields, run_benchmark  # noqa: E402
-from launch.saved_activations import SavedActivations  # noqa: E402
-from launch.toy_gpt import GPT, MoEFeedForward  # noqa: E402
+from launch.harness import report_fields, run_benchmark
+from launch.saved_activations import SavedActivations
+from launch.toy_gpt import GPT, MoEFeedForward
 
 import torch
 
@@ -459,7 +457,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("bench_dynamic.py", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench_dynamic", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

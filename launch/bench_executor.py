@@ -38,10 +38,10 @@ iteration and their share of the saved activation bytes next to the physical bou
 could move in the forward's compute shadow), peak device memory. Losses of every step and the final
 parameters are compared with ``torch.equal`` to the unconstrained run's.
 
-    .venv/bin/python launch/bench_executor.py --json runs/bench_executor.json   # a few minutes on 2 cores
-    .venv/bin/python launch/bench_executor.py --host-op-s measured              # the host's measured time
-    .venv/bin/python launch/bench_executor.py --small                           # seconds (smoke test)
-    .venv/bin/python launch/bench_executor.py --shape llm-like                  # wider layers (see SHAPES)
+    .venv/bin/python -m launch.bench_executor --json runs/bench_executor.json   # a few minutes on 2 cores
+    .venv/bin/python -m launch.bench_executor --host-op-s measured              # the host's measured time
+    .venv/bin/python -m launch.bench_executor --small                           # seconds (smoke test)
+    .venv/bin/python -m launch.bench_executor --shape llm-like                  # wider layers (see SHAPES)
 
 launch/bench_sweep.py runs this benchmark over hide-shares and links (it imports the pieces from here).
 """
@@ -58,15 +58,13 @@ import weakref
 from pathlib import Path
 from typing import Callable, Iterator
 
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.device_clock import (  # noqa: E402
+from launch.device_clock import (
     DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label,
     iteration_figures, make_device, median_of, physical_bound, restart_host_clock,
 )
-from launch.harness import quartiles, run_benchmark  # noqa: E402
-from launch.saved_activations import SavedActivations  # noqa: E402
-from launch.toy_gpt import GPT, forward_matmul_flop  # noqa: E402
+from launch.harness import quartiles, run_benchmark
+from launch.saved_activations import SavedActivations
+from launch.toy_gpt import GPT, forward_matmul_flop
 
 import torch
 from torch import nn
@@ -726,7 +724,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("bench_executor.py", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench_executor", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ the JSON says so. Attention runs flash attention's kernel on the GPU (``--attent
 that capacity with a fast emulated link; the others metered by an unbounded one), at a tiny shape, in
 seconds; the test suite runs it. Its times mean nothing; its bits and structure do.
 
-    .venv/bin/python launch/bench_gpu.py --json runs/bench_gpu.json   # on a GPU: ~2-4 min (time box 7 min)
-    .venv/bin/python launch/bench_gpu.py --dry-run                    # CPU, seconds
+    .venv/bin/python -m launch.bench_gpu --json runs/bench_gpu.json   # on a GPU: ~2-4 min (time box 7 min)
+    .venv/bin/python -m launch.bench_gpu --dry-run                    # CPU, seconds
 """
 
 from __future__ import annotations
@@ -56,11 +56,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.harness import VariantSpec, config_of, rotated, run_benchmark  # noqa: E402
-from launch.saved_activations import SavedActivations  # noqa: E402
-from launch.toy_gpt import GPT  # noqa: E402
+from launch.harness import VariantSpec, config_of, rotated, run_benchmark
+from launch.saved_activations import SavedActivations
+from launch.toy_gpt import GPT
 
 import torch
 from torch.nn import functional as F
@@ -634,7 +632,7 @@ def main(argv: list[str] | None = None) -> dict:
             return run(args, deadline_s)
 
     config = config_of(args, as_text=(Path, torch.device, torch.dtype))
-    return run_benchmark("bench_gpu.py", argv, args, torch, run_within_settings, print_report, emulated=False,
+    return run_benchmark("launch.bench_gpu", argv, args, torch, run_within_settings, print_report, emulated=False,
                          config=config)
 
 

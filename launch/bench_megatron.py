@@ -27,9 +27,9 @@ On CPU every rank runs on gloo with one ``EmulatedDevice`` (a simulated GPU): me
 allocator reports it; without ``--preset`` the compute figures are this CPU's measured rates and the host
 link is instant, with it the preset's roofline and real link rates. All times are emulated device time.
 
-    .venv/bin/python launch/bench_megatron.py --json runs/bench_megatron.json   # ~10 min on 2 cores
-    .venv/bin/python launch/bench_megatron.py --layouts pp2,tp2pp2 --iterations 20
-    .venv/bin/python launch/bench_megatron.py --dry-run                         # one 2-rank layout, 3 iterations
+    .venv/bin/python -m launch.bench_megatron --json runs/bench_megatron.json   # ~10 min on 2 cores
+    .venv/bin/python -m launch.bench_megatron --layouts pp2,tp2pp2 --iterations 20
+    .venv/bin/python -m launch.bench_megatron --dry-run                         # one 2-rank layout, 3 iterations
 """
 
 from __future__ import annotations
@@ -49,17 +49,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.compare_reports import compare, stable_window  # noqa: E402,F401  (stable_window: for the tests)
-from launch.harness import run_benchmark  # noqa: E402
+from launch.compare_reports import compare, stable_window  # noqa: F401  (stable_window: for the tests)
+from launch.harness import run_benchmark
 
-import torch  # noqa: E402
+import torch
 
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCHER = REPO / "launch" / "train_megatron.py"
+LAUNCHER = "launch.train_megatron"  # run as a module (torchrun -m) from the repository root
 LAYOUTS_SOURCE = REPO / "tests" / "test_megatron_ranks.py"
 DRY_RUN_LAYOUT = "pp2"
 DRY_RUN_ITERATIONS = 3
@@ -92,9 +90,9 @@ def torchrun() -> Path:
 def run_job(world_size: int, argv: list[str], report: Path, log: Path, timeout_s: float) -> dict:
     """``torchrun`` the launcher with ``argv`` (``--report`` added); its output goes to ``log``. The job runs
     in its own process group, killed whole should it pass ``timeout_s``."""
-    command = [str(torchrun()), "--standalone", "--nproc-per-node", str(world_size), str(LAUNCHER), *argv,
+    command = [str(torchrun()), "--standalone", "--nproc-per-node", str(world_size), "-m", LAUNCHER, *argv,
                "--report", str(report)]
-    shown = shlex.join([".venv/bin/torchrun", *command[1:4], "launch/train_megatron.py", *argv])
+    shown = shlex.join([".venv/bin/torchrun", *command[1:6], *argv])
     report.unlink(missing_ok=True)
     started = time.perf_counter()
     timed_out = False
@@ -241,7 +239,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("bench_megatron.py", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench_megatron", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ device memory against the capacity, bytes swapped (and their share of the saved 
 the physical bound) and recomputed per iteration, and whether losses and final parameters are
 ``torch.equal`` to the unconstrained run's. Every number is emulated.
 
-    .venv/bin/python launch/bench_recompute.py --json runs/bench_recompute.json   # a few minutes on 2 cores
-    .venv/bin/python launch/bench_recompute.py --host-op-s measured                 # the host's measured time
-    .venv/bin/python launch/bench_recompute.py --small                              # seconds
+    .venv/bin/python -m launch.bench_recompute --json runs/bench_recompute.json   # a few minutes on 2 cores
+    .venv/bin/python -m launch.bench_recompute --host-op-s measured                 # the host's measured time
+    .venv/bin/python -m launch.bench_recompute --small                              # seconds
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import statistics
 import sys
 from pathlib import Path
 
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from launch.device_clock import (  # noqa: E402
     DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label, iteration_figures,
     make_device, median_of, physical_bound, restart_host_clock,
@@ -269,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    return run_benchmark("bench_recompute.py", argv, args, torch, run, report)
+    return run_benchmark("launch.bench_recompute", argv, args, torch, run, report)
 
 
 if __name__ == "__main__":

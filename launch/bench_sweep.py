@@ -41,9 +41,9 @@ policy or the "all" policy (swap everything). ``targets`` checks issue 13's: at 
 Chameleon variant <= 1.05x; at every share never slower than the baseline and within 10% of its prediction;
 no fallback; plus bit-identity.
 
-    .venv/bin/python launch/bench_sweep.py --json runs/bench_sweep.json   # the sweep (a few minutes on 2 cores)
-    .venv/bin/python launch/bench_sweep.py --host-op-s measured           # the host's measured time per op
-    .venv/bin/python launch/bench_sweep.py --small                        # tiny model, 2 shares, 1 link (smoke test)
+    .venv/bin/python -m launch.bench_sweep --json runs/bench_sweep.json   # the sweep (a few minutes on 2 cores)
+    .venv/bin/python -m launch.bench_sweep --host-op-s measured           # the host's measured time per op
+    .venv/bin/python -m launch.bench_sweep --small                        # tiny model, 2 shares, 1 link (smoke test)
 """
 
 from __future__ import annotations
@@ -56,15 +56,13 @@ import time
 import traceback
 from pathlib import Path
 
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.bench_executor import (  # noqa: E402
+from launch.bench_executor import (
     MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, add_moved_shares, apply_shape,
     baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes,
     measure_unswapped, model_flop, plan_capacity, print_device, summarize,
 )
-from launch.device_clock import add_device_arguments, device_figures, host_bound_label, make_device  # noqa: E402
-from launch.harness import balanced_orders, run_benchmark  # noqa: E402,F401  (balanced_orders: for the tests)
+from launch.device_clock import add_device_arguments, device_figures, host_bound_label, make_device
+from launch.harness import balanced_orders, run_benchmark  # noqa: F401  (balanced_orders: for the tests)
 
 import torch
 
@@ -516,7 +514,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("bench_sweep.py", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench_sweep", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

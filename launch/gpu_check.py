@@ -1,8 +1,8 @@
 """The GPU check: everything that only a CUDA machine can tell us, in one run of under 8 minutes on one GPU,
 written to one JSON (``<out>/gpu_check.json``).
 
-    .venv/bin/python launch/gpu_check.py --out runs/gpu_check            # on a CUDA machine
-    .venv/bin/python launch/gpu_check.py --out /tmp/gpu_check --dry-run  # CPU: the same steps, tiny and fast
+    .venv/bin/python -m launch.gpu_check --out runs/gpu_check            # on a CUDA machine
+    .venv/bin/python -m launch.gpu_check --out /tmp/gpu_check --dry-run  # CPU: the same steps, tiny and fast
 
 Its parts, in this order, each in its own process with its own time limit (a part that fails or runs out of
 time is recorded and the next one runs; the JSON is written after every part, so a killed check keeps
@@ -10,7 +10,7 @@ what it had):
 
 1. ``gpu_tests``: the ``gpu``-marked tests (``pytest -m gpu`` over the test files that have them); on a
    CPU they skip, which the dry run shows.
-2. ``megatron_2rank``: ``launch/train_megatron.py --tp 2`` on two ranks, without Chameleon (metered) and with
+2. ``megatron_2rank``: ``-m launch.train_megatron --tp 2`` on two ranks, without Chameleon (metered) and with
    it, compared by ``launch/compare_reports.py`` (bit-identical, within capacity, Stable reached).
 3. ``deepspeed_2rank``: ``launch/train_deepspeed.py`` on two ranks, ZeRO-2 (ZeRO-0 when the ranks share one GPU,
    see below), without and with Chameleon, compared the same way.
@@ -35,12 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.compare_reports import compare, stable_window  # noqa: E402
-from launch.harness import header  # noqa: E402
+from launch.compare_reports import compare, stable_window
+from launch.harness import header
+
+REPO = Path(__file__).resolve().parents[1]
 
 TAIL_CHARS = 4000
 BENCH_MAX_MINUTES = 3.0
@@ -87,18 +85,18 @@ def part_gpu_tests(work: Path, timeout_s: float) -> dict:
     return result
 
 
-def _torchrun(script: str, argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(HERE / script), *argv]
+def _torchrun(module: str, argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", module, *argv]
 
 
-def _pair(work: Path, name: str, script: str, argv: list[str], capacity: str, timeout_s: float) -> dict:
+def _pair(work: Path, name: str, module: str, argv: list[str], capacity: str, timeout_s: float) -> dict:
     """The job without Chameleon (metered, unlimited) and with it at ``capacity``, and their comparison."""
     runs, reports = {}, {}
     env = {"OMP_NUM_THREADS": "1"}
     for variant, extra in (("off", ["--no-chameleon", "--chameleon-device-capacity", "4GB"]),
                            ("on", ["--chameleon-device-capacity", capacity])):
         report = work / f"{name}-{variant}.json"
-        runs[variant] = _run(_torchrun(script, [*argv, *extra, "--report", str(report)]), timeout_s / 2, env)
+        runs[variant] = _run(_torchrun(module, [*argv, *extra, "--report", str(report)]), timeout_s / 2, env)
         if report.is_file():
             reports[variant] = json.loads(report.read_text())
     result = {"runs": runs, "ok": False}
@@ -123,7 +121,7 @@ def _shared_gpu(dry_run: bool) -> bool:
 
 def part_megatron(work: Path, timeout_s: float, iterations: int) -> dict:
     argv = ["--tp", "2", "--iterations", str(iterations), "--chameleon-min-swap-bytes", "16KiB"]
-    return _pair(work, "megatron", "train_megatron.py", argv, MEGATRON_CAPACITY, timeout_s)
+    return _pair(work, "megatron", "launch.train_megatron", argv, MEGATRON_CAPACITY, timeout_s)
 
 
 def part_deepspeed(work: Path, timeout_s: float, iterations: int, shared_gpu: bool) -> dict:
@@ -133,7 +131,7 @@ def part_deepspeed(work: Path, timeout_s: float, iterations: int, shared_gpu: bo
     path = work / "deepspeed.json"
     path.write_text(json.dumps(config))
     argv = ["--deepspeed_config", str(path), "--iterations", str(iterations)]
-    result = _pair(work, "deepspeed", "train_deepspeed.py", argv, DEEPSPEED_CAPACITY, timeout_s)
+    result = _pair(work, "deepspeed", "launch.train_deepspeed", argv, DEEPSPEED_CAPACITY, timeout_s)
     result["zero_stage"] = config["zero_optimization"]["stage"]
     return result
 
@@ -141,7 +139,7 @@ def part_deepspeed(work: Path, timeout_s: float, iterations: int, shared_gpu: bo
 def part_bench_gpu(work: Path, timeout_s: float, dry_run: bool) -> dict:
     out = work / "bench_gpu.json"
     minutes = max(min(BENCH_MAX_MINUTES, (timeout_s - 30) / 60), 0.5)
-    command = [sys.executable, str(HERE / "bench_gpu.py"), "--json", str(out), "--max-minutes", f"{minutes:.2f}",
+    command = [sys.executable, "-m", "launch.bench_gpu", "--json", str(out), "--max-minutes", f"{minutes:.2f}",
                *(["--dry-run"] if dry_run else [])]
     result = _run(command, timeout_s)
     result["results"] = json.loads(out.read_text()) if out.is_file() else None
@@ -174,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --parts {unknown}: choose from {', '.join(shares)}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gpu_check.json"
-    results = {**header("gpu_check.py", sys.argv[1:] if argv is None else argv, torch), "dry_run": args.dry_run,
+    results = {**header("launch.gpu_check", sys.argv[1:] if argv is None else argv, torch), "dry_run": args.dry_run,
                "emulated": args.dry_run, "cuda": _cuda_info(torch), "ranks_share_gpu": shared_gpu, "parts": {}}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)

@@ -22,4 +22,4 @@ if compgen -G ".whl/*.whl" >/dev/null || compgen -G ".whl/*.tar.gz" >/dev/null; 
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec "$python" launch/gpu_check.py --out "$out" "${@:2}"
+exec "$python" -m launch.gpu_check --out "$out" "${@:2}"

@@ -1,10 +1,10 @@
 """What every benchmark in launch/ shares: round orders, quartiles, the variant record, a report's
 fields, and the frame of the results (header, config, wall time, JSON).
 
-The scripts import each other as the package ``launch`` (a namespace package: no ``__init__.py``), as the
-tests do (``from launch import bench_executor``). Run as ``python launch/x.py``, a script has launch/ on
-``sys.path`` instead of the repository root; each script's first lines then add the root once
-(``if not __package__``), so the same ``from launch.harness import ...`` works both ways.
+The scripts are modules of the package ``launch`` (a namespace package: no ``__init__.py``) and run as
+``python -m launch.<script>`` from the repository root, which ``-m`` puts on ``sys.path``; they import each
+other as ``from launch.harness import ...``, as the tests do (``from launch import bench_executor``; pytest's
+``pythonpath`` option puts the root there). Nothing edits ``sys.path``.
 """
 
 from __future__ import annotations
@@ -109,10 +109,11 @@ def machine(torch_module) -> dict:
             "load_average_before": load_average()}
 
 
-def header(script: str, argv: list[str], torch_module) -> dict:
-    """The opening of a benchmark's results: the command that reproduces it, the date, the machine."""
+def header(module: str, argv: list[str], torch_module) -> dict:
+    """The opening of a benchmark's results: the command that reproduces it (``module``: the script's module,
+    ``"launch.bench_executor"``, run with ``-m``), the date, the machine."""
     return {
-        "command": shlex.join([".venv/bin/python", f"launch/{script}", *argv]),
+        "command": shlex.join([".venv/bin/python", "-m", module, *argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(torch_module),
     }
@@ -139,7 +140,7 @@ def config_of(args, skip: Iterable[str] = (), as_text: tuple[type, ...] = (Path,
     return {k: (str(v) if isinstance(v, as_text) else v) for k, v in vars(args).items() if k not in skip}
 
 
-def run_benchmark(script: str, argv: list[str], args, torch_module, run: Callable[[Any], dict],
+def run_benchmark(module: str, argv: list[str], args, torch_module, run: Callable[[Any], dict],
                   report: Callable[[dict], None], *, emulated: bool = True, config: dict | bool = True) -> dict:
     """The common frame of a benchmark: ``run(args)`` with ``args.threads`` torch threads (restored after;
     no change without a ``threads`` argument), its results after the header (command, date, machine),
@@ -150,7 +151,7 @@ def run_benchmark(script: str, argv: list[str], args, torch_module, run: Callabl
         torch_module.set_num_threads(args.threads)
     try:
         started = time.perf_counter()
-        results = header(script, argv, torch_module)
+        results = header(module, argv, torch_module)
         if emulated:
             results["emulated"] = True
         if config is not False:

@@ -1,8 +1,8 @@
 """Train a GPT-style model on synthetic tokens with DeepSpeed, Chameleon installed on every rank by the
 config's ``"chameleon"`` block. Start it with torchrun or with DeepSpeed's launcher::
 
-    torchrun --nproc-per-node 2 launch/train_deepspeed.py --deepspeed_config configs/deepspeed/zero2.json
-    deepspeed --num_gpus 2 launch/train_deepspeed.py --deepspeed_config configs/deepspeed/zero2.json
+    torchrun --nproc-per-node 2 -m launch.train_deepspeed --deepspeed_config configs/deepspeed/zero2.json
+    deepspeed --num_gpus 2 --module launch.train_deepspeed --deepspeed_config configs/deepspeed/zero2.json
 
 ``--pipeline-stages`` 0 or 1 trains through a ``DeepSpeedEngine`` (``engine(batch)``, ``engine.backward``,
 ``engine.step`` per micro-batch); 2 or more through a ``PipelineModule`` and ``PipelineEngine.train_batch``.
@@ -34,15 +34,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-HERE = Path(__file__).resolve().parent
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.cuda_ranks import rank_cuda_setup  # noqa: E402
-from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
-from launch.toy_gpt import Block, MoEFeedForward  # noqa: E402
+from launch.cuda_ranks import rank_cuda_setup
+from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
+from launch.toy_gpt import Block, MoEFeedForward
 
-from chameleon_dist.config.loaders import config_from_deepspeed  # noqa: E402
-from chameleon_dist.units import format_bytes  # noqa: E402
+from chameleon_dist.config.loaders import config_from_deepspeed
+from chameleon_dist.units import format_bytes
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -61,7 +58,7 @@ with warnings.catch_warnings():
 
 logger = logging.getLogger("train_deepspeed")
 
-DEFAULT_CONFIG = HERE.parent / "configs" / "deepspeed" / "zero2.json"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepspeed" / "zero2.json"
 
 CPU_DEFAULT_CAPACITY = "8GB"
 """The emulated device's capacity when neither --chameleon-device-capacity nor the block gives one."""

@@ -1,7 +1,7 @@
 """Train a megatron-core GPT on synthetic tokens under tensor, pipeline (optionally interleaved) and data
 parallelism, with Chameleon installed on every rank. Start it with torchrun::
 
-    torchrun --nproc-per-node 4 launch/train_megatron.py --tp 2 --pp 2 --iterations 10 \\
+    torchrun --nproc-per-node 4 -m launch.train_megatron --tp 2 --pp 2 --iterations 10 \\
         --chameleon-device-capacity 40MB --report runs/megatron_tp2pp2.json
 
 On a machine without CUDA it uses gloo, the opt-in CPU shims and one emulated device per rank (sized by
@@ -22,21 +22,18 @@ import logging
 import os
 import sys
 import warnings
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-if not __package__:  # run as ``python launch/x.py``: the repository root on sys.path (see launch/harness.py)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch.cuda_ranks import rank_cuda_setup  # noqa: E402
-from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report  # noqa: E402
+from launch.cuda_ranks import rank_cuda_setup
+from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
 
-from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args  # noqa: E402
-from chameleon_dist.config.sizes import parse_size_bytes  # noqa: E402
-from chameleon_dist.models.shape import TransformerShape  # noqa: E402
-from chameleon_dist.units import format_bytes  # noqa: E402
+from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args
+from chameleon_dist.config.sizes import parse_size_bytes
+from chameleon_dist.models.shape import TransformerShape
+from chameleon_dist.units import format_bytes
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

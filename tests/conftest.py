@@ -2,17 +2,10 @@
 ``tests.<module>`` (``from tests.models import make_lm``) and the launch/ scripts are ``launch.<script>``
 (``from launch import bench_executor``); both directories are namespace packages (no ``__init__.py``).
 
-This puts the repository root on ``sys.path`` however pytest is started (``pytest``, ``python -m pytest``,
-from any directory). Test files that also run as scripts (``python tests/test_policy.py``) put it there
-themselves, since no conftest is loaded then."""
-
-import sys
-from pathlib import Path
-
-ROOT = str(Path(__file__).resolve().parents[1])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
+pytest's ``pythonpath = ["."]`` option (pyproject.toml) puts the repository root on ``sys.path`` however
+pytest is started (``pytest``, ``python -m pytest``, from any directory). Test files that
+also run as scripts run as modules from the root (``python -m tests.test_policy``), and tests that start a
+script start it the same way (``python -m launch.gpu_check``, cwd the root)."""
 
 
 # NOTE [The multi-rank tier]

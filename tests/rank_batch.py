@@ -1,7 +1,7 @@
 """Runs several multi-rank jobs of one launcher (``launch/train_megatron.py``, ``launch/train_deepspeed.py``) in
 a row, for the tests.
 
-    python tests/rank_batch.py LAUNCHER RUNS.json RESULTS.json     # LAUNCHER: train_megatron or train_deepspeed
+    python -m tests.rank_batch LAUNCHER RUNS.json RESULTS.json     # LAUNCHER: train_megatron or train_deepspeed
 
 Each run in RUNS.json is ``{"name", "world_size", "argv", "timeout_s"}``. The point is time: importing
 torch and megatron-core or DeepSpeed takes ~10 s per process on a 2-core machine, so torchrun would spend most of a test
@@ -30,7 +30,6 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
 
 LAUNCHERS = ("train_megatron", "train_deepspeed", "zero3_memory")
 GRACE_S = 10.0
@@ -114,11 +113,11 @@ def _tail(path: Path, chars: int = 20000) -> str:
 
 
 def run_jobs(launcher: str, runs: list[dict], workdir: Path, timeout_s: float = 1200) -> dict[str, dict]:
-    """For a test: run ``runs`` of ``launcher`` in one batch (this file as a script, in a fresh process with
-    ``OMP_NUM_THREADS=1``); the results by run name."""
+    """For a test: run ``runs`` of ``launcher`` in one batch (this module as a script, ``python -m`` from the
+    repository root, in a fresh process with ``OMP_NUM_THREADS=1``); the results by run name."""
     spec, out = workdir / "runs.json", workdir / "results.json"
     spec.write_text(json.dumps(runs))
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), launcher, str(spec), str(out)], check=True,
+    subprocess.run([sys.executable, "-m", "tests.rank_batch", launcher, str(spec), str(out)], check=True,
                    timeout=timeout_s, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return {r["name"]: r for r in json.loads(out.read_text())}
 
@@ -151,8 +150,8 @@ def assert_settled_in_stable(on: dict, off: dict, min_stable_iterations: int) ->
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] not in LAUNCHERS:
-        raise SystemExit(f"usage: rank_batch.py {{{','.join(LAUNCHERS)}}} RUNS.json RESULTS.json")
-    launcher = importlib.import_module(argv[0])  # imported once, while this process has no threads, before any fork
+        raise SystemExit(f"usage: python -m tests.rank_batch {{{','.join(LAUNCHERS)}}} RUNS.json RESULTS.json")
+    launcher = importlib.import_module(f"launch.{argv[0]}")  # imported once, while this process has no threads, before any fork
     runs = json.loads(Path(argv[1]).read_text())
     out = Path(argv[2])
     workdir = out.parent

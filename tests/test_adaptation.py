@@ -2,20 +2,17 @@
 device smaller than its unswapped peak. Training stays bit-identical, nothing crashes, and the budget
 holds again within ``warmup_iterations + policy_trials + 1`` iterations of the change.
 
-``python tests/test_adaptation.py`` prints the table recorded in docs/sequence-changes.md.
+``python -m tests.test_adaptation`` prints the table recorded in docs/sequence-changes.md.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import scenario_models as sm  # noqa: E402
-from tests.scenario_models import EVENT  # noqa: E402
+from tests import scenario_models as sm
+from tests.scenario_models import EVENT
 
 ITERATIONS = 24
 WARMUP, TRIALS = 2, 5  # the profiler's defaults

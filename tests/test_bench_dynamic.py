@@ -21,7 +21,7 @@ def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
     assert torch.get_num_threads() == threads, "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "bench_dynamic.py --small" in results["command"] and results["date"] and results["emulated"]
+    assert "-m launch.bench_dynamic --small" in results["command"] and results["date"] and results["emulated"]
     assert "ALL FIGURES EMULATED: simulated device (h100-pcie)" in printed and "(emulated)" in printed
     for key in ("device", "cases", "checks", "config", "machine", "wall_s"):
         assert key in results, key

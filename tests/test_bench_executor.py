@@ -21,7 +21,7 @@ def test_small_run_reports_every_variant(tmp_path, capsys):
     assert torch.get_num_threads() == threads, "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "bench_executor.py --small" in results["command"] and results["date"] and results["emulated"]
+    assert "-m launch.bench_executor --small" in results["command"] and results["date"] and results["emulated"]
     assert "ALL FIGURES EMULATED: simulated device (h100-pcie)" in printed and "(emulated)" in printed
     assert "save_on_cpu semantics emulated (synchronous copies, no prefetch)" in printed
     for key in ("device", "link", "model", "chameleon_policy", "trials", "chameleon_rounds", "variants", "checks", "rounds"):

@@ -62,7 +62,7 @@ def test_dry_run_reports_one_layout_bit_identical(tmp_path, capsys):
     printed = capsys.readouterr().out
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "bench_megatron.py --dry-run" in results["command"] and results["date"] and results["emulated"]
+    assert "-m launch.bench_megatron --dry-run" in results["command"] and results["date"] and results["emulated"]
     for key in ("layouts", "checks", "config", "machine", "wall_s"):
         assert key in results, key
     assert results["config"]["iterations"] == bench_megatron.DRY_RUN_ITERATIONS
@@ -76,7 +76,7 @@ def test_dry_run_reports_one_layout_bit_identical(tmp_path, capsys):
     assert layout["reference"]["returncode"] == layout["chameleon"]["returncode"] == 0
     assert "--no-chameleon" in layout["reference"]["command"] and "--no-chameleon" not in layout["chameleon"]["command"]
     assert layout["chameleon"]["command"].startswith(
-        ".venv/bin/torchrun --standalone --nproc-per-node 2 launch/train_megatron.py")
+        ".venv/bin/torchrun --standalone --nproc-per-node 2 -m launch.train_megatron")
     assert layout["layout"]["iterations"] == 3 and layout["layout"]["world_size"] == world_size
 
     assert layout["chameleon_peak_bytes"] <= layout["capacity_bytes"] < layout["unswapped_peak_bytes"]

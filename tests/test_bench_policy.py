@@ -16,7 +16,7 @@ def test_small_run_reports_eq1_errors_and_generation_time(tmp_path, capsys):
     assert gc.isenabled(), "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "bench_policy.py --small" in results["command"] and results["date"]
+    assert "-m launch.bench_policy --small" in results["command"] and results["date"]
     assert "emulated/CPU" in printed and "(1) Eq. 1" in printed and "(2) generate_policies" in printed
 
     models = results["eq1"]["models"]

@@ -23,7 +23,7 @@ def test_small_sweep_reports_every_cell_and_target(tmp_path, capsys):
     assert torch.get_num_threads() == threads and gc.get_freeze_count() == frozen, "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "bench_sweep.py --small" in results["command"] and results["emulated"]
+    assert "-m launch.bench_sweep --small" in results["command"] and results["emulated"]
     for key in ("model", "reference_llm", "links", "save_on_cpu", "cells", "rows", "targets"):
         assert key in results, key
 

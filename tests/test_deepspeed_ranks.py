@@ -150,7 +150,7 @@ def test_the_readme_commands_are_tested_layouts():
     for command in commands:
         assert command[0] in (".venv/bin/torchrun", ".venv/bin/deepspeed"), command
         assert command[1:3] in (["--nproc-per-node", "2"], ["--num_gpus", "2"]), command
-        args = command[command.index("launch/train_deepspeed.py") + 1:]
+        args = command[command.index("launch.train_deepspeed") + 1:]
         config = Path(args[args.index("--deepspeed_config") + 1])
         assert (REPO / config).is_file() and config.parent == Path("configs/deepspeed"), config
         capacity = args[args.index("--chameleon-device-capacity") + 1]

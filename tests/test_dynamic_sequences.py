@@ -9,26 +9,23 @@ The device model is fixed (h100-pcie figures, 20 us of host time per op): the fi
 "After the first warm-up" below means after the runtime's first ``warmup_iterations + policy_trials``
 iterations (profiling and trials), when it first reaches Stable.
 
-``python tests/test_dynamic_sequences.py`` prints each case's stages, Stable share and passive swaps.
+``python -m tests.test_dynamic_sequences`` prints each case's stages, Stable share and passive swaps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-import sys
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from chameleon_dist import Chameleon  # noqa: E402
-from chameleon_dist.device.emulated import EmulatedDevice  # noqa: E402
-from launch.toy_gpt import GPT  # noqa: E402
-from tests.scenario_models import bits_equal, one_thread  # noqa: E402
+from chameleon_dist import Chameleon
+from chameleon_dist.device.emulated import EmulatedDevice
+from launch.toy_gpt import GPT
+from tests.scenario_models import bits_equal, one_thread
 
 WARMUP, TRIALS = 2, 5  # the profiler's defaults
 VOCAB = 128

@@ -46,7 +46,7 @@ def test_without_cuda_it_asks_for_the_dry_run(tmp_path, capsys):
 
 @pytest.mark.multirank  # (two-rank jobs: NOTE [The multi-rank tier] in tests/conftest.py)
 def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "launch" / "gpu_check.py"), "--out", str(tmp_path), "--dry-run"],
+    done = subprocess.run([sys.executable, "-m", "launch.gpu_check", "--out", str(tmp_path), "--dry-run"],
                           capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert [p.name for p in tmp_path.iterdir()] == ["gpu_check.json"]

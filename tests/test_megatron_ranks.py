@@ -232,7 +232,7 @@ def test_the_readme_commands_are_the_tested_layouts():
     tested = {(world, tuple([*layout, "--chameleon-device-capacity", capacity])) for world, layout, capacity in LAYOUTS.values()}
     for command in commands:
         world = int(command[command.index("--nproc-per-node") + 1])
-        assert (world, tuple(command[command.index("launch/train_megatron.py") + 1:])) in tested, command
+        assert (world, tuple(command[command.index("launch.train_megatron") + 1:])) in tested, command
     defaults, common = vars(train_megatron.parse_args([])), vars(train_megatron.parse_args(COMMON))
     differ = {k for k in defaults if defaults[k] != common[k]}
     assert differ == {"iterations", "chameleon_min_swap_bytes"}, differ

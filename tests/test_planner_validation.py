@@ -2,7 +2,7 @@
 
 Single-rank runs (TP = PP = DP = 1, fp32, Adam) with no, selective and full recomputation, and with the
 Chameleon runtime swapping every eligible saved tensor (what it does in its WarmUp iterations); the
-measurement helpers are those of ``launch/reproduce_paper.py --validate``."""
+measurement helpers are those of ``python -m launch.reproduce_paper --validate``."""
 
 import pytest
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,7 @@ from chameleon_dist.policy import (
 )
 from chameleon_dist.trace.step_trace import StepTrace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # also when run as a script (see the end)
-from tests.policy_traces import layered_trace  # noqa: E402
+from tests.policy_traces import layered_trace
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -267,7 +265,7 @@ def test_golden_policies_for_the_main_job_model(budget_mib):
     result = generate_policies(trace, golden_settings(budget_mib))
     golden = json.loads((DATA / f"job_policies_{budget_mib}mib.json").read_text())
     assert [json.loads(p.to_json()) for p in result.policies] == golden, (
-        "policy generation changed; if intended, regenerate with `python tests/test_policy.py`"
+        "policy generation changed; if intended, regenerate with `python -m tests.test_policy`"
     )
 
 
@@ -277,7 +275,7 @@ def golden_settings(budget_mib: int) -> PolicySettings:
                           min_swap_bytes=2**20)
 
 
-if __name__ == "__main__":  # regenerate the golden files from tests/data/job_trace.json
+if __name__ == "__main__":  # python -m tests.test_policy: regenerate the golden files from tests/data/job_trace.json
     trace = StepTrace.load(DATA / "job_trace.json")
     for mib in GOLDEN_BUDGETS_MIB:
         policies = generate_policies(trace, golden_settings(mib)).policies

@@ -18,24 +18,22 @@ tensor for good (12-23x the unconstrained time to save a fraction of a percent o
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from chameleon_dist import Chameleon  # noqa: E402
-from chameleon_dist.device.emulated import EmulatedDevice  # noqa: E402
-from chameleon_dist.policy.inputs import PolicySettings  # noqa: E402
-from chameleon_dist.policy.model import Decision, Policy  # noqa: E402
-from chameleon_dist.policy.selection import IterationOutcome, PolicyController  # noqa: E402
-from chameleon_dist.policy.trials import policy_key  # noqa: E402
-from chameleon_dist.trace.stages import Stage, Transition, TransitionCause  # noqa: E402
-from chameleon_dist.trace.step_trace import StepTrace  # noqa: E402
-from launch.toy_gpt import GPT  # noqa: E402
-from tests.scenario_models import bits_equal, one_thread  # noqa: E402
+from chameleon_dist import Chameleon
+from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.policy.inputs import PolicySettings
+from chameleon_dist.policy.model import Decision, Policy
+from chameleon_dist.policy.selection import IterationOutcome, PolicyController
+from chameleon_dist.policy.trials import policy_key
+from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+from chameleon_dist.trace.step_trace import StepTrace
+from launch.toy_gpt import GPT
+from tests.scenario_models import bits_equal, one_thread
 
 MIB = 2**20
 DATA = Path(__file__).resolve().parent / "data"

@@ -15,7 +15,7 @@ buffers), the forward of a layer (plus the score tensor of unfused attention), t
 (the incoming gradient and the gradients being produced: its MLP half runs first, and once its saved
 tensors are gone the attention half runs, which with unfused attention holds three score-sized tensors;
 under recomputation the rebuilt activations of one layer), and the end of backward when gradients are
-not a persistent buffer (every gradient exists, little else). ``launch/reproduce_paper.py --validate``
+not a persistent buffer (every gradient exists, little else). ``python -m launch.reproduce_paper --validate``
 checks these against the emulated device's measured peaks.
 """
 
