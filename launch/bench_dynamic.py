@@ -58,12 +58,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from launch.bench_executor import MIB, Variant, host_batch
 from launch.device_clock import (
     DeviceSpan, add_device_arguments, device_figures, host_bound_label, make_device, median_of, physical_bound,
 )
 from launch.harness import report_fields, run_benchmark
 from launch.saved_activations import SavedActivations
+from launch.swap_variants import MIB, Variant, host_batch
 from launch.toy_gpt import GPT, MoEFeedForward
 
 import torch
@@ -112,7 +112,7 @@ def make_case(name: str, args: argparse.Namespace) -> Case:
 
 
 class CaseVariant(Variant):
-    """bench_executor's ``Variant`` (its ``step`` and records) on a case's model, always with a runtime."""
+    """launch/swap_variants.py's ``Variant`` (its ``step`` and records) on a case's model, always with a runtime."""
 
     def __init__(self, name: str, case: Case, args: argparse.Namespace, device: EmulatedDevice, config: dict) -> None:
         self.name = name

@@ -7,7 +7,7 @@ a simulated GPU whose kernels take their roofline cost from the preset (fp32 her
 whose copies take their bytes over the preset's real link rate, and whose host spends ``--host-op-s`` per op
 (default 2e-5: runs repeat exactly; ``measured``: the host's own time).
 
-Model: ``--shape llm-like`` by default (bench_executor.SHAPES: 2 layers, hidden 2048, seq 16, fp32); it prints its
+Model: ``--shape llm-like`` by default (swap_variants.SHAPES: 2 layers, hidden 2048, seq 16, fp32); it prints its
 forward matmul FLOP per saved byte (from the shape, launch/toy_gpt.py) next to Llama2-7B's, and per device the
 share of its saved activations the link can move during one forward pass's device time (the physical bound)
 and during one iteration.
@@ -56,13 +56,13 @@ import time
 import traceback
 from pathlib import Path
 
-from launch.bench_executor import (
+from launch.device_clock import add_device_arguments, device_figures, host_bound_label, make_device, print_device
+from launch.harness import balanced_orders, run_benchmark  # noqa: F401  (balanced_orders: for the tests)
+from launch.swap_variants import (
     MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, add_moved_shares, apply_shape,
     baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes,
-    measure_unswapped, model_flop, plan_capacity, print_device, summarize,
+    measure_unswapped, model_flop, plan_capacity, summarize,
 )
-from launch.device_clock import add_device_arguments, device_figures, host_bound_label, make_device
-from launch.harness import balanced_orders, run_benchmark  # noqa: F401  (balanced_orders: for the tests)
 
 import torch
 
@@ -119,11 +119,11 @@ class Rounds:
 
 
 # ---- one cell -------------------------------------------------------------------------------------
-plan_cell = plan_capacity  # a cell's capacity (bench_executor.plan_capacity)
+plan_cell = plan_capacity  # a cell's capacity (swap_variants.plan_capacity)
 
 
 def for_link(args: argparse.Namespace, link: str) -> argparse.Namespace:
-    """``args`` with ``preset`` = ``link``: what bench_executor's pieces build their devices from."""
+    """``args`` with ``preset`` = ``link``: what swap_variants' pieces build their devices from."""
     return argparse.Namespace(**{**vars(args), "preset": link})
 
 
@@ -508,7 +508,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.hidden % args.heads or any(s <= 0 for s in args.shares):
         parser.error("need --rounds >= 1, --hidden divisible by --heads and every --shares value > 0")
     args.min_swap_bytes = int(args.min_swap_kib * 1024)
-    args.preset = args.links[0]  # bench_executor's pieces build devices from args.preset (for_link sets each)
+    args.preset = args.links[0]  # swap_variants' pieces build devices from args.preset (for_link sets each)
     return args
 
 

@@ -109,6 +109,11 @@ def device_figures(args: argparse.Namespace, preset: str | None = None, instant_
             "launch_latency_s": model.launch_latency_s, "text": model.describe()}
 
 
+def print_device(dev: dict) -> None:
+    """A report's line for ``device_figures``' block."""
+    print(f"ALL FIGURES EMULATED: {dev['text']}; {dev['host']}")
+
+
 # ---- marks and deltas ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ClockMark:

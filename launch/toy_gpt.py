@@ -9,7 +9,7 @@ order, hence ``parameters()`` order and the optimizer's op order, and the order 
 the RNG after ``torch.manual_seed``, hence their values):
 
     bench_profiler.py: GPT(vocab, hidden, heads, layers, positions=seq, norms_first=False)
-    bench_executor.py, bench_gpu.py: GPT(vocab, hidden, heads, layers)
+    swap_variants.py (bench_executor, bench_sweep), bench_gpu.py: GPT(vocab, hidden, heads, layers)
     bench_policy.py:   GPT(vocab, hidden, heads, layers, mlp_module=True, experts=..., top_k=...)
     bench_dynamic.py, tests/test_dynamic_sequences.py: GPT(..., experts=..., top_k=2, skip_idle_experts=True)
     train_deepspeed.py: Block and MoEFeedForward
