@@ -61,14 +61,13 @@ from types import SimpleNamespace
 from launch.device_clock import (
     DeviceSpan, add_device_arguments, device_figures, host_bound_label, make_device, median_of, physical_bound,
 )
-from launch.harness import report_fields, run_benchmark
+from launch.harness import VariantSpec, report_fields, run_benchmark
 from launch.saved_activations import SavedActivations
 from launch.swap_variants import MIB, Variant, host_batch
 from launch.toy_gpt import GPT, MoEFeedForward
 
 import torch
 
-from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
 
@@ -112,19 +111,13 @@ def make_case(name: str, args: argparse.Namespace) -> Case:
 
 
 class CaseVariant(Variant):
-    """launch/swap_variants.py's ``Variant`` (its ``step`` and records) on a case's model, always with a runtime."""
+    """launch/swap_variants.py's ``Variant`` (its ``step`` and records) on a case's model, always with a runtime
+    (``spec.config``)."""
 
-    def __init__(self, name: str, case: Case, args: argparse.Namespace, device: EmulatedDevice, config: dict) -> None:
-        self.name = name
-        self.device = device
-        self.model = case.make_model(args)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr)
-        self.chameleon = Chameleon(config, device=device)
-        self.chameleon.attach(self.model)
-        self.emulation = None
-        self.losses: list[torch.Tensor] = []
-        self.records: list[dict] = []
-        self.first_round = 0
+    def __init__(self, spec: VariantSpec, case: Case, args: argparse.Namespace, device: EmulatedDevice) -> None:
+        if spec.config is None:
+            raise ValueError(f"variant {spec.name!r}: a case's variant runs Chameleon, give it a config")
+        super().__init__(spec, args, device, model=case.make_model(args))
         # time_forward: the forward pass's device time (two marks, no cost); note_saved: the saved activation bytes
         # (a saved-tensor hook: autograd then hands it a detach of every saved output, one more op each, so only the
         # untimed measurement pass notes them)
@@ -183,7 +176,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
 
     n = args.iterations
     start_s = time.perf_counter()
-    measure = CaseVariant("measure", case, args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    measure = CaseVariant(VariantSpec("measure", {"enabled": False}), case, args, device(UNBOUNDED_CAPACITY_BYTES))
     measure.note_saved = True
     idle = []
     for i in range(n):
@@ -198,9 +191,10 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
     config: dict = {"min_swap_bytes": args.min_swap_bytes}
     if args.policy_trials is not None:
         config["profiler"] = {"policy_trials": args.policy_trials}
-    plain = CaseVariant("plain", case, args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    plain = CaseVariant(VariantSpec("plain", {"enabled": False}, reference=True), case, args,
+                        device(UNBOUNDED_CAPACITY_BYTES))
     plain.time_forward = True
-    cham = CaseVariant("chameleon", case, args, device(capacity_bytes), config)
+    cham = CaseVariant(VariantSpec("chameleon", config), case, args, device(capacity_bytes))
     start_s = time.perf_counter()
     failure = None
     for i in range(n):

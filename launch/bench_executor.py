@@ -57,7 +57,7 @@ from pathlib import Path
 from launch.device_clock import (
     add_device_arguments, device_figures, host_bound_label, make_device, print_device,
 )
-from launch.harness import run_benchmark
+from launch.harness import VariantSpec, run_benchmark
 from launch.swap_variants import (
     MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, SHAPES, Variant, add_model_arguments, add_moved_shares, apply_shape,
     baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes, measure_unswapped,
@@ -91,10 +91,11 @@ def run(args: argparse.Namespace) -> dict:
         return make_device(args, capacity)
 
     variants = {
-        "unconstrained": Variant("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
-        "chameleon": Variant("chameleon", args, device(capacity_bytes), chameleon_config(args)),
-        "baseline": Variant("baseline", args, device(capacity_bytes), baseline_config(args)),
-        "save_on_cpu": Variant("save_on_cpu", args, device(UNBOUNDED_CAPACITY_BYTES), None),
+        "unconstrained": Variant(VariantSpec("unconstrained", {"enabled": False}, reference=True), args,
+                                 device(UNBOUNDED_CAPACITY_BYTES)),
+        "chameleon": Variant(VariantSpec("chameleon", chameleon_config(args)), args, device(capacity_bytes)),
+        "baseline": Variant(VariantSpec("baseline", baseline_config(args)), args, device(capacity_bytes)),
+        "save_on_cpu": Variant(VariantSpec("save_on_cpu", saving="save_on_cpu"), args, device(UNBOUNDED_CAPACITY_BYTES)),
     }
     cham = variants["chameleon"].chameleon
     # untimed rounds: at least --warmup-rounds and all of chameleon's WarmUp + GenPolicy iterations; then more
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         play(r)
     rounds_s = time.perf_counter() - start_s
     timed = range(warm_rounds, rounds)
-    summary = summarize(variants, timed, capacity_bytes)
+    summary = summarize(variants, timed)
     add_moved_shares(summary, link["saved_activation_bytes"], link["physical_bound"])
     trials = [{"policy": t.policy.name, "iteration_s": t.iteration_s, "peak_mib": t.peak_bytes / MIB, "held": t.held}
               for t in cham.controller.results]

@@ -72,9 +72,18 @@ from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
 from chameleon_dist.policy.model import Decision
 
 MIB, GIB = 2**20, 2**30
-VARIANTS = ("no_swap", "chameleon_swap", "chameleon_recompute", "save_on_cpu", "checkpoint")
-CHAMELEON = {"chameleon_swap": False, "chameleon_recompute": True}  # variant -> executor.allow_recompute
-SAVING = {"save_on_cpu": "save_on_cpu", "checkpoint": "checkpoint"}  # variant -> VariantSpec.saving (else "device")
+SPECS = (
+    VariantSpec("no_swap", reference=True),
+    VariantSpec("chameleon_swap", {"executor": {"allow_recompute": False}}),
+    VariantSpec("chameleon_recompute", {"executor": {"allow_recompute": True}}),
+    VariantSpec("save_on_cpu", saving="save_on_cpu"),
+    VariantSpec("checkpoint", saving="checkpoint"),
+)
+"""The five variants. A Chameleon variant's ``config`` holds its own settings; ``build`` completes it with the
+capacity and link measured before the rounds."""
+VARIANTS = tuple(spec.name for spec in SPECS)
+CHAMELEON = tuple(spec.name for spec in SPECS if spec.config is not None)
+[REFERENCE] = [spec.name for spec in SPECS if spec.reference]
 # (hidden, heads, seq) tried largest first by the automatic shape; then layers from --max-layers down
 AUTO_SHAPES = ((4096, 32, 4096), (4096, 32, 2048), (2048, 16, 2048), (1024, 8, 1024))
 AUTO_BATCHES = (2, 1)  # without --batch: two sequences where they fit (an H200), else one
@@ -187,12 +196,20 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
 
 # ---- variants -----------------------------------------------------------------------------------
 class Variant:
-    """One copy of the model, its optimizer and the device that meters it; ``step`` trains one iteration."""
+    """One copy of the model, its optimizer and the device that meters it: with ``spec.config`` a Chameleon
+    runtime on the device it builds (layer times from its timer), else ``device``; ``step`` trains one
+    iteration."""
 
-    def __init__(self, name: str, model: GPT, args: argparse.Namespace, device: Device,
-                 runtime: Chameleon | None = None) -> None:
-        self.name = name
-        self.spec = VariantSpec(name, saving=SAVING.get(name, "device"))
+    def __init__(self, spec: VariantSpec, model: GPT, args: argparse.Namespace, device: Device | None = None) -> None:
+        if (spec.config is None) == (device is None):
+            raise ValueError(f"variant {spec.name!r}: a device without a config, or a config (its runtime builds "
+                             "the device), not both")
+        self.spec = spec
+        runtime = None
+        if spec.config is not None:
+            runtime = Chameleon(spec.config)
+            runtime.profiler.timer = runtime.device.timer  # layer times from CUDA events (the runtime's default: host clock)
+            device = runtime.device
         self.model = model
         self.device = device
         self.runtime = runtime
@@ -354,40 +371,41 @@ def build(args: argparse.Namespace, shape: Shape) -> tuple[dict[str, Variant], d
     if args.dry_run:
         link = {"d2h_bytes_per_s": DRY_LINK_BYTES_PER_S, "h2d_bytes_per_s": DRY_LINK_BYTES_PER_S,
                 "source": "emulated link, --dry-run (fast, so that the dry run takes seconds)"}
-        meters = {name: EmulatedDevice(UNBOUNDED_CAPACITY_BYTES) for name in VARIANTS if name not in CHAMELEON}
+        meters = {spec.name: EmulatedDevice(UNBOUNDED_CAPACITY_BYTES) for spec in SPECS if spec.config is None}
     else:
         from chameleon_dist.device.cuda import CudaDevice
 
         link = {**measure_link(args.link_probe_mib * MIB), "source": f"pinned copies of {args.link_probe_mib} MiB"}
         shared = CudaDevice()  # live and peak bytes of the whole GPU: every variant's are the same
-        meters = {name: shared for name in VARIANTS if name not in CHAMELEON}
-    models = {name: reference if name == "no_swap" else copy.deepcopy(reference) for name in VARIANTS}
-    variants = {name: Variant(name, models[name], args, meters[name]) for name in meters}
+        meters = {spec.name: shared for spec in SPECS if spec.config is None}
+    models = {spec.name: reference if spec.reference else copy.deepcopy(reference) for spec in SPECS}
+    variants = {spec.name: Variant(spec, models[spec.name], args, meters[spec.name]) for spec in SPECS if spec.config is None}
     if args.torch_device.type == "cuda":  # Chameleon's copies' gradients count before its capacity is set
         for name in CHAMELEON:
             for p in models[name].parameters():
                 p.grad = torch.zeros_like(p)
     determinism = args.determinism_state
     try:
-        measured = probe(variants["no_swap"], batch_for(shape, args, -1))
+        measured = probe(variants[REFERENCE], batch_for(shape, args, -1))
     except RuntimeError as exc:
         if determinism.mode != "strict" or "determinis" not in str(exc):
             raise
         determinism.fall_back(exc)
-        measured = probe(variants["no_swap"], batch_for(shape, args, -1))
+        measured = probe(variants[REFERENCE], batch_for(shape, args, -1))
     start_live_bytes = measured["start_live_bytes"]
     capacity_bytes = start_live_bytes + int(args.budget_fraction * measured["activation_peak_bytes"])
-    for name, allow_recompute in CHAMELEON.items():
-        config = {
-            "min_swap_bytes": int(args.min_swap_kib * 1024), "memory_budget": 1.0,
-            "device": {"kind": "emulated" if args.dry_run else "cuda", "capacity": capacity_bytes,
-                       "d2h_bytes_per_s": int(link["d2h_bytes_per_s"]), "h2d_bytes_per_s": int(link["h2d_bytes_per_s"])},
-            "profiler": {"policy_trials": args.policy_trials},
-            "executor": {"prefetch_depth": args.prefetch_depth, "allow_recompute": allow_recompute},
-        }
-        runtime = Chameleon(config)
-        runtime.profiler.timer = runtime.device.timer  # layer times from CUDA events (the runtime's default: host clock)
-        variants[name] = Variant(name, models[name], args, runtime.device, runtime)
+    measured_config = {
+        "min_swap_bytes": int(args.min_swap_kib * 1024), "memory_budget": 1.0,
+        "device": {"kind": "emulated" if args.dry_run else "cuda", "capacity": capacity_bytes,
+                   "d2h_bytes_per_s": int(link["d2h_bytes_per_s"]), "h2d_bytes_per_s": int(link["h2d_bytes_per_s"])},
+        "profiler": {"policy_trials": args.policy_trials},
+        "executor": {"prefetch_depth": args.prefetch_depth},
+    }
+    for spec in SPECS:
+        if spec.config is not None:  # the variant's own settings over the measured ones, section by section
+            config = {**measured_config, **{key: {**measured_config.get(key, {}), **value}
+                                            for key, value in spec.config.items()}}
+            variants[spec.name] = Variant(dataclasses.replace(spec, config=config), models[spec.name], args)
     variants = {name: variants[name] for name in VARIANTS}
     setup = {"probe": measured, "capacity_bytes": capacity_bytes, "capacity_start_live_bytes": start_live_bytes,
              "capacity_rule": f"start live bytes + {args.budget_fraction} x no_swap's activation peak", "link": link,
@@ -443,7 +461,7 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int) -> dict:
-    reference = variants["no_swap"]
+    reference = variants[REFERENCE]
     ref_times = [reference.records[i]["iteration_s"] for i in timed]
     ref_params = list(reference.model.parameters())
     out = {}
@@ -465,8 +483,8 @@ def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int) -
             "swap_out_bytes": statistics.median(r["swap_out_bytes"] for r in rows) if rows else None,
             "peak_bytes": max(r["peak_bytes"] for r in rows) if rows else None,
             "peak_above_start_bytes": max(r["peak_above_start_bytes"] for r in rows) if rows else None,
-            "capacity_bytes": capacity_bytes if name in CHAMELEON else None,
-            "iterations_over_capacity": sum(p > capacity_bytes for p in peaks) if name in CHAMELEON else None,
+            "capacity_bytes": capacity_bytes if v.runtime is not None else None,
+            "iterations_over_capacity": sum(p > capacity_bytes for p in peaks) if v.runtime is not None else None,
             "stages": {s: [r["stage"] for r in rows].count(s) for s in sorted({r["stage"] for r in rows}) if s},
             "policies": sorted({r["policy"] for r in rows if r["policy"]}),
             "passive_swaps": sum(r["passive_swaps"] for r in v.records),
@@ -511,9 +529,9 @@ def run(args: argparse.Namespace, deadline_s: float) -> dict:
     rounds = play_rounds(variants, shape, args, deadline_s)
     timed = range(rounds["warmup"], rounds["warmup"] + rounds["timed"])
     summary = summarize(variants, timed, setup["capacity_bytes"])
-    checks = {f"{name}_bit_identical": summary[name]["bit_identical"] for name in VARIANTS if name != "no_swap"}
+    checks = {f"{spec.name}_bit_identical": summary[spec.name]["bit_identical"] for spec in SPECS if not spec.reference}
     checks.update({f"{name}_peak_below_no_swap": summary[name]["peak_bytes"] is not None
-                   and summary[name]["peak_bytes"] < summary["no_swap"]["peak_bytes"] for name in CHAMELEON})
+                   and summary[name]["peak_bytes"] < summary[REFERENCE]["peak_bytes"] for name in CHAMELEON})
     return {"emulated": args.dry_run, "gpu": gpu,
             "shape": {**dataclasses.asdict(shape), "dtype": args.dtype, "parameters": setup["parameters"],
                       "reason": shape_reason, "estimate_bytes": shape.estimate_bytes(len(VARIANTS))},
@@ -561,7 +579,7 @@ def print_report(r: dict) -> None:
         print(f"  {name}: {text}; timed stages {v['stages']}, iterations over capacity {v['iterations_over_capacity']}, "
               f"passive swaps {v['passive_swaps']}, OOM retries {v['oom_retries']}")
     for name, v in r["variants"].items():
-        if not v["bit_identical"] and name != "no_swap":
+        if not v["bit_identical"] and name != REFERENCE:
             print(f"  {name} differs: largest parameter difference {v['max_parameter_difference']:.3g}, "
                   f"loss {v['max_loss_difference']:.3g}")
     print(f"wall time {r['wall_s']:.0f} s")

@@ -34,7 +34,7 @@ from launch.device_clock import (  # noqa: E402
     DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label, iteration_figures,
     make_device, median_of, physical_bound, restart_host_clock,
 )
-from launch.harness import report_fields, rotated, run_benchmark  # noqa: E402
+from launch.harness import VariantSpec, report_fields, rotated, run_benchmark  # noqa: E402
 from launch.saved_activations import SavedActivations  # noqa: E402
 from launch.swiglu_lm import SwiGLULM  # noqa: E402
 
@@ -50,15 +50,18 @@ VARIANTS = ("unconstrained", "swap_only", "swap_recompute", "layer_recompute")
 
 
 class Runner:
-    """One model copy, its optimizer and device; ``step`` trains one batch and returns its record."""
+    """One model copy for ``spec``, its optimizer and device: a Chameleon runtime with ``spec.config``, else the
+    plain loop; ``spec.saving`` "checkpoint" checkpoints every layer. ``step`` trains one batch and returns its
+    record."""
 
-    def __init__(self, name: str, args: argparse.Namespace, device: EmulatedDevice, config: dict | None,
-                 checkpoint_layers: bool = False) -> None:
+    def __init__(self, spec: VariantSpec, args: argparse.Namespace, device: EmulatedDevice) -> None:
+        if spec.saving == "save_on_cpu":
+            raise ValueError(f"variant {spec.name!r}: this benchmark has no save_on_cpu semantics")
         torch.manual_seed(args.seed)
-        self.name, self.device = name, device
-        self.model = SwiGLULM(args.vocab, args.hidden, args.layers, checkpoint_layers=checkpoint_layers)
+        self.spec, self.device = spec, device
+        self.model = SwiGLULM(args.vocab, args.hidden, args.layers, checkpoint_layers=spec.saving == "checkpoint")
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.chameleon = Chameleon(config, device=device) if config is not None else None
+        self.chameleon = Chameleon(spec.config, device=device) if spec.config is not None else None
         if self.chameleon is not None:
             self.chameleon.attach(self.model)
         else:
@@ -112,7 +115,7 @@ def batch_for(args: argparse.Namespace, step: int) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> dict:
-    probe = Runner("probe", args, make_device(args, UNBOUNDED_CAPACITY_BYTES), {"enabled": False})
+    probe = Runner(VariantSpec("probe", {"enabled": False}), args, make_device(args, UNBOUNDED_CAPACITY_BYTES))
     saved = SavedActivations(probe.model.parameters())
     with saved.hooks():
         probe.step(batch_for(args, 0))
@@ -121,22 +124,22 @@ def run(args: argparse.Namespace) -> dict:
     peak_bytes = probe.records[-1]["peak_bytes"]
     capacity_bytes = int(peak_bytes - args.cut * activation_bytes)
 
-    def device(capacity: int) -> EmulatedDevice:
-        return make_device(args, capacity)
+    def device(spec: VariantSpec) -> EmulatedDevice:
+        """The capacity for a runtime that swaps; the reference and the plain loop run unbounded."""
+        return make_device(args, capacity_bytes if spec.config is not None and not spec.reference
+                           else UNBOUNDED_CAPACITY_BYTES)
 
     def config(allow_recompute: bool) -> dict:
         return {"memory_budget": 1.0, "min_swap_bytes": args.min_swap_bytes,
                 "executor": {"allow_recompute": allow_recompute}, "profiler": {"policy_trials": args.policy_trials}}
 
-    makers = {
-        "unconstrained": lambda: Runner("unconstrained", args, device(UNBOUNDED_CAPACITY_BYTES), {"enabled": False}),
-        "swap_only": lambda: Runner("swap_only", args, device(capacity_bytes), config(False)),
-        "swap_recompute": lambda: Runner("swap_recompute", args, device(capacity_bytes), config(True)),
-        "layer_recompute": lambda: Runner("layer_recompute", args, device(UNBOUNDED_CAPACITY_BYTES), None,
-                                          checkpoint_layers=True),
-    }
-    names = [n for n in VARIANTS if n == "unconstrained" or n in args.variants]  # the reference always runs
-    runners = {name: makers[name]() for name in names}
+    specs = (VariantSpec("unconstrained", {"enabled": False}, reference=True),
+             VariantSpec("swap_only", config(False)), VariantSpec("swap_recompute", config(True)),
+             VariantSpec("layer_recompute", saving="checkpoint"))
+    assert tuple(spec.name for spec in specs) == VARIANTS
+    chosen = [spec for spec in specs if spec.reference or spec.name in args.variants]  # the reference always runs
+    runners = {spec.name: Runner(spec, args, device(spec)) for spec in chosen}
+    names = list(runners)
     rounds = args.warmup_rounds + args.rounds
     for r in range(rounds):
         batch = batch_for(args, r)
@@ -147,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
                   + " | " + " ".join(f"{n} {runners[n].records[-1]['stage']}" for n in names
                                      if runners[n].chameleon is not None), flush=True)
     timed = range(args.warmup_rounds, rounds)
-    reference = runners["unconstrained"]
+    [reference] = [runner for runner in runners.values() if runner.spec.reference]
     ref_params = list(reference.model.parameters())
     ref_rows = [reference.records[i] for i in timed]
     d2h_bytes_per_s = make_device(args, 1).d2h_bytes_per_s

@@ -57,7 +57,7 @@ import traceback
 from pathlib import Path
 
 from launch.device_clock import add_device_arguments, device_figures, host_bound_label, make_device, print_device
-from launch.harness import balanced_orders, run_benchmark  # noqa: F401  (balanced_orders: for the tests)
+from launch.harness import VariantSpec, balanced_orders, run_benchmark  # noqa: F401  (balanced_orders: for the tests)
 from launch.swap_variants import (
     MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, add_moved_shares, apply_shape,
     baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes,
@@ -88,11 +88,13 @@ TARGET_SHARE_LIMIT = 1.0  # the ratio target applies at hide-shares up to this
 PREDICTION_TOLERANCE = 0.10
 
 
-def sweep_variant_configs(args: argparse.Namespace) -> dict[str, dict | None]:
-    """The Chameleon config of each variant of a cell (None: save_on_cpu semantics, no runtime)."""
-    return {"unconstrained": {"enabled": False}, SWAP_ONLY: chameleon_config(args, allow_recompute=False),
-            SWAP_RECOMPUTE: chameleon_config(args, allow_recompute=True), "baseline": baseline_config(args),
-            "save_on_cpu": None}
+def sweep_variant_specs(args: argparse.Namespace) -> dict[str, VariantSpec]:
+    """What each variant of a cell runs: its Chameleon config, or save_on_cpu semantics without a runtime."""
+    specs = [VariantSpec("unconstrained", {"enabled": False}, reference=True),
+             VariantSpec(SWAP_ONLY, chameleon_config(args, allow_recompute=False)),
+             VariantSpec(SWAP_RECOMPUTE, chameleon_config(args, allow_recompute=True)),
+             VariantSpec("baseline", baseline_config(args)), VariantSpec("save_on_cpu", saving="save_on_cpu")]
+    return {spec.name: spec for spec in specs}
 
 
 def is_fallback(record: dict) -> bool:
@@ -130,9 +132,9 @@ def for_link(args: argparse.Namespace, link: str) -> argparse.Namespace:
 def run_cell(args: argparse.Namespace, link: str, share: float, unswapped: dict, plan: dict) -> dict:
     """One (link, hide-share) cell at ``plan``'s capacity: unconstrained, both Chameleon variants and the baseline."""
     capacity_bytes = plan["capacity_bytes"]
-    configs = sweep_variant_configs(args)
-    variants = {name: Variant(name, args, make_device(args, capacity_bytes if name != "unconstrained" else
-                                                      UNBOUNDED_CAPACITY_BYTES, preset=link), configs[name])
+    specs = sweep_variant_specs(args)
+    variants = {name: Variant(specs[name], args, make_device(args, UNBOUNDED_CAPACITY_BYTES if specs[name].reference
+                                                             else capacity_bytes, preset=link))
                 for name in CELL_VARIANTS}
     runtimes = [variants[n].chameleon for n in CHAMELEON_VARIANTS]
     rounds = Rounds(args, variants)
@@ -146,7 +148,7 @@ def run_cell(args: argparse.Namespace, link: str, share: float, unswapped: dict,
     for k in range(JOIN_ROUNDS + args.rounds):
         rounds.play(CELL_VARIANTS, k)
     timed = range(warm_rounds + JOIN_ROUNDS, rounds.played)
-    summary = summarize(variants, timed, capacity_bytes, stable_figures_for=CHAMELEON_VARIANTS)
+    summary = summarize(variants, timed, stable_figures_for=CHAMELEON_VARIANTS)
     link_block = link_figures(make_device(args, 1, preset=link).d2h_bytes_per_s, unswapped)
     add_moved_shares(summary, link_block["saved_activation_bytes"], link_block["physical_bound"])
     for name, v in summary.items():
@@ -192,12 +194,12 @@ def chameleon_figures(v: Variant, summary: dict, timed: range) -> dict:
 def run_save_on_cpu_cell(args: argparse.Namespace, link: str, unswapped: dict) -> dict:
     """save_on_cpu semantics against an unconstrained run on ``link``: one untimed round, then the timed ones."""
     devices = {name: make_device(args, UNBOUNDED_CAPACITY_BYTES, preset=link) for name in ("unconstrained", "save_on_cpu")}
-    configs = sweep_variant_configs(args)
-    variants = {name: Variant(name, args, device, configs[name]) for name, device in devices.items()}
+    specs = sweep_variant_specs(args)
+    variants = {name: Variant(specs[name], args, device) for name, device in devices.items()}
     rounds = Rounds(args, variants)
     for k in range(JOIN_ROUNDS + args.rounds):
         rounds.play(("unconstrained", "save_on_cpu"), k)
-    summary = summarize(variants, range(JOIN_ROUNDS, rounds.played), UNBOUNDED_CAPACITY_BYTES, stable_figures_for=())
+    summary = summarize(variants, range(JOIN_ROUNDS, rounds.played), stable_figures_for=())
     link_block = link_figures(make_device(args, 1, preset=link).d2h_bytes_per_s, unswapped)
     add_moved_shares(summary, link_block["saved_activation_bytes"], link_block["physical_bound"])
     for v in summary.values():

@@ -57,14 +57,17 @@ def quartiles(values: Sequence[float], method: str = "exclusive") -> list[float]
 # ---- variants -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class VariantSpec:
-    """What one variant of a benchmark runs: its ``name``, the Chameleon config (None: no runtime) and,
-    without a runtime, how its forward pass keeps its saved activations (``saving``): "device" (on the
+    """What one variant of a benchmark runs: its ``name``, the Chameleon config (None: no runtime),
+    without a runtime how its forward pass keeps its saved activations (``saving``): "device" (on the
     device), "save_on_cpu" (``torch.autograd.graph.save_on_cpu`` semantics) or "checkpoint" (activation
-    checkpointing of every layer)."""
+    checkpointing of every layer), and whether it is the ``reference`` the others are compared with (the
+    unconstrained run: unbounded memory, nothing swapped). Each benchmark's variant classes take one for
+    what they run, and its code asks the spec, never the name, what a variant is."""
 
     name: str
     config: dict | None = None
     saving: str = "device"
+    reference: bool = False
 
     def __post_init__(self) -> None:
         if self.saving not in ("device", "save_on_cpu", "checkpoint"):

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 from launch.device_clock import (
     DeviceSpan, clock_delta, clock_mark, iteration_figures, make_device, median_of, physical_bound, restart_host_clock,
 )
-from launch.harness import quartiles
+from launch.harness import VariantSpec, quartiles
 from launch.saved_activations import SavedActivations
 from launch.toy_gpt import GPT, forward_matmul_flop
 
@@ -163,17 +163,23 @@ class SaveOnCpuEmulation:
 
 # ---- variants -----------------------------------------------------------------------------------
 class Variant:
-    """One model, optimizer and device; ``step`` trains on the given batch and returns the step's record."""
+    """One model, optimizer and device for ``spec``: a Chameleon runtime with ``spec.config``, else
+    ``save_on_cpu`` semantics emulated (``spec.saving`` "save_on_cpu"). The model is ``args``' GPT unless one
+    is given. ``step`` trains on the given batch and returns the step's record."""
 
-    def __init__(self, name: str, args: argparse.Namespace, device: EmulatedDevice, config: dict | None) -> None:
-        self.name = name
+    def __init__(self, spec: VariantSpec, args: argparse.Namespace, device: EmulatedDevice,
+                 model: nn.Module | None = None) -> None:
+        if spec.config is None and spec.saving != "save_on_cpu":
+            raise ValueError(f"variant {spec.name!r}: without a config it runs save_on_cpu semantics only "
+                             f"(saving={spec.saving!r})")
+        self.spec = spec
         self.device = device
-        self.model = make_model(args)
+        self.model = make_model(args) if model is None else model
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr)
         self.chameleon: Chameleon | None = None
         self.emulation: SaveOnCpuEmulation | None = None
-        if config is not None:
-            self.chameleon = Chameleon(config, device=device)
+        if spec.config is not None:
+            self.chameleon = Chameleon(spec.config, device=device)
             self.chameleon.attach(self.model)
         else:
             device.track_module(self.model)
@@ -283,12 +289,12 @@ def measure_unswapped(args: argparse.Namespace, measured_iterations: int = 2) ->
 
 
 # ---- statistics -----------------------------------------------------------------------------------
-def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int,
-              stable_figures_for: tuple[str, ...] = ("chameleon",)) -> dict:
-    """Per variant, over the ``timed`` rounds: times, ratios to "unconstrained" (the same round), stall, swapped
-    bytes, peak, stages, and bit-identity (losses from its first round on, final parameters) against
-    "unconstrained"; the variants in ``stable_figures_for`` also get the figures over their Stable rounds."""
-    reference = variants["unconstrained"]
+def summarize(variants: dict[str, Variant], timed: range, stable_figures_for: tuple[str, ...] = ("chameleon",)) -> dict:
+    """Per variant, over the ``timed`` rounds: times, ratios to the reference (``spec.reference``: the
+    unconstrained run; the same round), stall, swapped bytes, peak, its device's capacity (None: unbounded),
+    stages, and bit-identity (losses from its first round on, final parameters) against the reference; the
+    variants in ``stable_figures_for`` also get the figures over their Stable rounds."""
+    [reference] = [v for v in variants.values() if v.spec.reference]
     ref_times = [reference.records[i]["iteration_s"] for i in timed]
     ref_params = [p.detach() for p in reference.model.parameters()]
     out = {}
@@ -313,7 +319,7 @@ def summarize(variants: dict[str, Variant], timed: range, capacity_bytes: int,
             "swap_out_mib": statistics.median(r["swap_out_bytes"] for r in rows) / MIB,
             "swap_in_mib": statistics.median(r["swap_in_bytes"] for r in rows) / MIB,
             "peak_mib": max(r["peak_bytes"] for r in rows) / MIB,
-            "capacity_mib": None if name in ("unconstrained", "save_on_cpu") else capacity_bytes / MIB,
+            "capacity_mib": None if v.device.capacity_bytes == UNBOUNDED_CAPACITY_BYTES else v.device.capacity_bytes / MIB,
             "stages": {s: stages.count(s) for s in sorted(set(stages)) if s},
             "policies": sorted({r["policy"] for r in rows if r["policy"]}),
             "passive_swaps": sum(r["passive_swaps"] for r in rows),
@@ -354,7 +360,8 @@ def measure_swap_floor_bytes(args: argparse.Namespace) -> int:
     WarmUp iteration (gradients allocated, as in every later one) of a swap-everything run; the windows are op
     indices, so the link and the clock do not matter. (The policy generator computes the same floor to explain an
     infeasible budget; it is not public.)"""
-    variant = Variant("floor", args, make_device(args, UNBOUNDED_CAPACITY_BYTES), {"min_swap_bytes": args.min_swap_bytes})
+    variant = Variant(VariantSpec("floor", {"min_swap_bytes": args.min_swap_bytes}), args,
+                      make_device(args, UNBOUNDED_CAPACITY_BYTES))
     for step in range(max(2, variant.chameleon.config.profiler.warmup_iterations)):
         variant.step(host_batch(args, step))
     trace = variant.chameleon.last_trace
