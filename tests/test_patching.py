@@ -217,6 +217,12 @@ def test_fingerprint_without_source_uses_the_signature():
 REAL_PATCHES = defined_patches()
 
 
+def _skip_without_megatron_lm(patch: Patch) -> None:
+    """Megatron-LM's ``megatron.training`` is not on the package registry: its patches are checked where it imports."""
+    if patch.target.startswith("megatron.training"):
+        pytest.importorskip(patch.target.partition(":")[0], reason="Megatron-LM's megatron.training is not importable")
+
+
 def test_real_patches_exist_and_have_unique_names_and_targets():
     assert REAL_PATCHES
     assert len({p.name for p in REAL_PATCHES}) == len(REAL_PATCHES)
@@ -226,6 +232,7 @@ def test_real_patches_exist_and_have_unique_names_and_targets():
 @pytest.mark.parametrize("patch", REAL_PATCHES, ids=lambda p: p.name)
 def test_real_patch_matches_installed_upstream(patch):
     """Fails when upstream changes: re-review the patch, then update its versions/fingerprint."""
+    _skip_without_megatron_lm(patch)
     assert problems_with(patch) == ()
 
 
@@ -233,7 +240,13 @@ def test_nothing_is_applied_at_import():
     importlib.import_module("chameleon_dist.integrations.megatron")
     for patch in REAL_PATCHES:
         module_name, _, attr_path = patch.target.partition(":")
-        value = _lookup(importlib.import_module(module_name), attr_path)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            if module_name.startswith("megatron.training"):
+                continue  # Megatron-LM is not installed (tests/test_megatron_lm_adaptor.py)
+            raise
+        value = _lookup(module, attr_path)
         assert upstream_original(value) is value, f"{patch.target} is patched without anyone applying it"
 
 

@@ -19,9 +19,10 @@ def defined_patches() -> tuple[Patch, ...]:
     """Every runtime patch defined by the integrations (definitions only; nothing is applied)."""
     from chameleon_dist.integrations.deepspeed.cpu import CPU_PATCHES as DEEPSPEED_CPU_PATCHES
     from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES
+    from chameleon_dist.integrations.megatron.lm_adaptor import LM_PATCHES
     from chameleon_dist.integrations.megatron.schedule import SCHEDULE_PATCHES
 
-    return (*CPU_PATCHES, *SCHEDULE_PATCHES, *DEEPSPEED_CPU_PATCHES)
+    return (*CPU_PATCHES, *SCHEDULE_PATCHES, *LM_PATCHES, *DEEPSPEED_CPU_PATCHES)
 
 
 def defined_instance_changes() -> tuple[InstanceChange, ...]:
