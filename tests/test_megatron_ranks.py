@@ -191,11 +191,13 @@ def test_routing_changes_what_each_iteration_holds(results):
 def _torchrun_megatron(tmp_path, *args: str) -> tuple[str, float]:
     """A real torchrun job of two pipeline stages that is meant to fail: its output and its wall time."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc-per-node", "2", str(REPO / "launch" / "train_megatron.py"), "--pp", "2",
+    command = [str(torchrun), "--nproc-per-node", "2", "-m", "launch.train_megatron", "--pp", "2",
                "--iterations", "4", "--dist-timeout-s", "600", *args]
     start = time.monotonic()
+    # (the job runs in tmp_path; the repository root on PYTHONPATH makes ``launch`` importable there)
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path})
     assert done.returncode != 0
     return done.stdout + done.stderr, time.monotonic() - start
 
