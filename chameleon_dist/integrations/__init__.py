@@ -1,6 +1,7 @@
-"""Framework integrations: the only place in chameleon-dist that imports Megatron-core or DeepSpeed.
+"""Framework integrations: the only place in chameleon-dist that imports Megatron-core, DeepSpeed or transformers.
 
-Importing this package imports no framework; the submodules that need one import it themselves.
+Importing this package imports no framework; the submodules that need one import it themselves. ``hf`` is the
+Hugging Face ``Trainer``'s ``ChameleonCallback`` (its holder, ``TrainerChameleon``, is a ``HeldRuntime`` too).
 
 Shape: each framework's object (``megatron.install`` returns a ``MegatronChameleon``; DeepSpeed's
 ``engine.chameleon`` is a ``DeepSpeedChameleon``) holds the rank's ``Chameleon`` as ``runtime`` and an
@@ -28,5 +29,6 @@ def defined_patches() -> tuple[Patch, ...]:
 def defined_instance_changes() -> tuple[InstanceChange, ...]:
     """Every change the integrations make on framework objects (definitions only; nothing is changed)."""
     from chameleon_dist.integrations.deepspeed.upstream import INSTANCE_CHANGES as DEEPSPEED_INSTANCE_CHANGES
+    from chameleon_dist.integrations.hf.upstream import INSTANCE_CHANGES as HF_INSTANCE_CHANGES
 
-    return DEEPSPEED_INSTANCE_CHANGES
+    return (*DEEPSPEED_INSTANCE_CHANGES, *HF_INSTANCE_CHANGES)
