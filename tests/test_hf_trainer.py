@@ -161,10 +161,26 @@ def capacity_between(floor_bytes: int, unswapped_bytes: int) -> int:
     return int(floor_bytes + CAPACITY_POSITION * (unswapped_bytes - floor_bytes))
 
 
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "ACCELERATE_USE_DEEPSPEED")
+"""Left in the environment by an earlier module's one-rank DeepSpeed session (or a Trainer that ran DeepSpeed):
+with them a Trainer sets up a distributed run of its own (its own process group, as many threads as cores)."""
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    with one_thread():
-        yield
+    """One thread (Accelerate sets torch's threads to the cores unless OMP_NUM_THREADS says otherwise), and a
+    single-process environment for the plain Trainer; everything is put back afterwards."""
+    environment = dict(os.environ)
+    for name in RANK_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        with one_thread():
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 @pytest.fixture(scope="module")
@@ -288,13 +304,12 @@ def deepspeed_rank():
     from tests.deepspeed_session import one_rank_deepspeed
 
     environment = dict(os.environ)
-    os.environ["OMP_NUM_THREADS"] = "1"  # (else Accelerate sets torch's threads to the cores: see _one_thread)
     session = one_rank_deepspeed()
     next(session)
     yield
     next(session, None)
     os.environ.clear()
-    os.environ.update(environment)  # (ACCELERATE_USE_DEEPSPEED, the rank variables)
+    os.environ.update(environment)  # (the rank variables, ACCELERATE_USE_DEEPSPEED)
     fresh_accelerate()
 
 
