@@ -346,6 +346,16 @@ def test_deepspeed_under_the_trainer_follows_the_engine_from_the_configs_block(t
     assert measuring.chameleon.last_report.failed and not measuring.chameleon.open_iteration.active
 
 
+def test_deepspeed_under_the_trainer_follows_a_short_last_window_with_clipping(tmp_path, deepspeed_rank):
+    """Accelerate tells the engine where each window ends (``set_gradient_accumulation_boundary``), so the engine
+    steps after the one-micro-batch window too, and the runtime's iteration closes there."""
+    shape = dict(steps=0, examples=20, epochs=2, max_grad_norm=0.5, deepspeed=with_block(None))
+    swapped = train(tmp_path, ChameleonCallback(emulated(UNBOUNDED, **FAST)), **shape)
+    assert swapped.global_step == 6
+    assert_one_iteration_per_step(swapped)
+    assert_identical(swapped, train(tmp_path, None, **shape))
+
+
 def test_deepspeed_under_the_trainer_closes_a_failed_step(tmp_path, deepspeed_rank):
     callback = ChameleonCallback()
     with pytest.raises(RuntimeError, match="failed on purpose"):
