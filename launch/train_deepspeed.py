@@ -11,8 +11,9 @@ config, the opt-in ``deepspeed-cpu-fp16-supported`` patch); with CUDA, the rank'
 (gloo when ranks share a GPU: ``launch/cuda_ranks.py``).
 ``--no-chameleon`` installs the runtime measuring only (nothing swapped, every byte metered, out of memory at
 the device's capacity), so its report gives each rank's unswapped peak. Rank 0 prints one line per iteration
-and writes the ``--report`` JSON (launch/rank_report.py, the shape the Megatron launcher writes). DeepSpeed
-stays the distributed engine: its ZeRO optimizers, pipeline schedule and collectives run the job.
+and writes the ``--report`` JSON (launch/rank_report.py, the shape the Megatron launcher writes; each
+iteration's row adds DeepSpeed's ``skipped_steps`` so far and, in fp16, the ``loss_scale`` after its step).
+DeepSpeed stays the distributed engine: its ZeRO optimizers, pipeline schedule and collectives run the job.
 """
 
 from __future__ import annotations
@@ -279,6 +280,8 @@ def train(args: argparse.Namespace) -> None:
                     window.append(micro_loss.item())
                 loss = sum(window) / len(window)
             row = record.add(chameleon.last_report) if chameleon is not None else {}
+            if row:  # (the record's own row: DeepSpeed's count of skipped steps so far and the loss scale after it)
+                row.update(skipped_steps=_skipped(engine), loss_scale=_loss_scale(engine))
             progress(args, iteration, loss, row, gather((loss, row, _skipped(engine))), capacity, losses)
         record.schedule = schedule_of(chameleon.last_trace) if chameleon is not None else ""
         record.params_sha256 = params_sha256(_final_parameters(engine, config))
@@ -291,7 +294,8 @@ def train(args: argparse.Namespace) -> None:
                       "micro_batch_size": rows, "precision": _precision(config), "num_layers": args.num_layers,
                       "hidden_size": args.hidden_size, "seq_length": args.seq_length,
                       "vary_seq_length": args.vary_seq_length, "iterations": args.iterations, "seed": args.seed,
-                      "num_experts": args.num_experts, "skipped_steps": int(getattr(engine, "skipped_steps", 0))}
+                      "num_experts": args.num_experts, "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+                      "optimizer": type(engine.optimizer).__name__}
             chameleon_settings = {"enabled": settings.enabled, "measured": chameleon is not None,
                                   "config": settings.model_dump(mode="json")}
             write_report(args.report, layout, chameleon_settings, losses, records)
@@ -311,6 +315,12 @@ def _precision(config: dict[str, Any]) -> str:
 
 def _skipped(engine: Any) -> int:
     return int(getattr(engine, "skipped_steps", 0))
+
+
+def _loss_scale(engine: Any) -> float | None:
+    """The fp16 optimizer's current loss scale (after the iteration's step updated it); None without one."""
+    scale = getattr(engine.optimizer, "cur_scale", None) if engine.fp16_enabled() else None
+    return float(scale) if scale is not None else None
 
 
 def _fail_next_forward(engine: Any) -> None:
