@@ -1,6 +1,8 @@
 """Two-rank DeepSpeed jobs on CPU (gloo) through ``launch/train_deepspeed.py``: ZeRO-1, ZeRO-2, ZeRO-3, a
-2-stage pipeline with 4 micro-batches, fp16 with loss-scale overflows that skip steps; ZeRO-1 accumulates
-gradients over 4 micro-batches. Each layout runs without Chameleon (measuring only, capacity unlimited) and with it at
+2-stage pipeline with 4 micro-batches, fp16 with loss-scale overflows that skip steps (in WarmUp, and with a
+loss-scale window that brings the scale back up until it overflows again, under a policy and in Stable),
+bf16 under ZeRO-2 and under DeepSpeed's BF16_Optimizer (ZeRO-1); ZeRO-1 accumulates gradients over 4
+micro-batches. Each layout runs without Chameleon (measuring only, capacity unlimited) and with it at
 a capacity below the unswapped peak: losses and every rank's final parameters are bit-identical, and every
 rank stays within its capacity. For two layouts the run without Chameleon at that capacity runs, too, and
 runs out of memory naming its rank.
@@ -26,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "deepspeed"
 ITERATIONS = 4
 # Layouts trained long enough to reach the steady state: 2 WarmUp and 5 trial iterations, then Stable
-STEADY_ITERATIONS = {"zero2": 12}
+STEADY_ITERATIONS = {"zero2": 12, "fp16-window": 12}
 MIN_STABLE_ITERATIONS = 4
 STEADY_HOST_OP_S = 2e-5  # a fixed host cost per op: each rank's trials, so its Stable policy, repeat on every machine
 UNLIMITED = "4GB"
@@ -41,7 +43,14 @@ LAYOUTS = {
     # the config's initial loss scale 2^24 overflows twice (hysteresis 1): iterations 1 and 2 skip their
     # step, the later ones apply it
     "fp16": ("fp16.json", {}, [], "4MiB"),
+    "bf16": ("bf16.json", {}, [], "4MiB"),  # ZeRO-2's optimizer on bf16 partitions
+    "bf16-zero1": ("bf16_zero1.json", {}, [], "4MiB"),  # BF16_Optimizer: ZeRO-1, fp32 gradient accumulators
+    # initial scale 2^22, window 2, hysteresis 1: 2^22 holds and 2^23 overflows, so after each overflow two clean
+    # steps bring the scale back to 2^23 and the next step overflows: iterations 4 (a policy trial), 8 and 12
+    # (Stable) skip their step
+    "fp16-window": ("fp16_scale_window.json", {}, [], "4MiB"),
 }
+OVERFLOW_IN_STABLE = "fp16-window"
 OUT_OF_MEMORY_RUNS = ("zero1-gas4", "pipeline")  # the run without Chameleon at the tight capacity, too
 
 
@@ -72,6 +81,12 @@ def results(tmp_path_factory):
     return run_jobs("train_deepspeed", runs, work)
 
 
+def _skipped_iterations(rank: dict) -> list[int]:
+    """The iterations (1-based) whose optimizer step DeepSpeed skipped, from each row's running count."""
+    counts = [row["skipped_steps"] for row in rank["iterations"]]
+    return [i + 1 for i, (before, after) in enumerate(zip([0, *counts], counts)) if after > before]
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_trains_bit_identically_within_capacity(results, name):
     off, on = completed(results[f"{name}-off"]), completed(results[f"{name}-on"])
@@ -90,12 +105,36 @@ def test_layout_trains_bit_identically_within_capacity(results, name):
             assert sum(row["swap_out_bytes"] for row in rank["iterations"]) > 0, rank["rank"]
 
 
-@pytest.mark.parametrize("name", STEADY_ITERATIONS)
+@pytest.mark.parametrize("name", [n for n in STEADY_ITERATIONS if n != OVERFLOW_IN_STABLE])
 def test_every_rank_reaches_stable_and_stays(results, name):
     """Every rank settles in Stable after its trials and stays, with no passive swap and a policy that swaps
     less than WarmUp's swap-everything (none on a rank that fits; the bit-identical training is asserted above)."""
     assert_settled_in_stable(completed(results[f"{name}-on"]), completed(results[f"{name}-off"]),
                              MIN_STABLE_ITERATIONS)
+
+
+def test_an_fp16_overflow_in_stable_is_absorbed_without_leaving_stable(results):
+    """The loss scale grows back every 2 clean steps until it overflows again: steps are skipped under a policy
+    trial and in Stable, the same ones with and without Chameleon (the bit-identical training is asserted
+    above), and every rank stays in Stable through them: no transition, no passive swap, no program change
+    (an iteration without a skipped step is identical to the reference), a policy that swaps less than WarmUp."""
+    on, off = completed(results[f"{OVERFLOW_IN_STABLE}-on"]), completed(results[f"{OVERFLOW_IN_STABLE}-off"])
+    for rank, unswapped in zip(on["ranks"], off["ranks"]):
+        rows, skipped = rank["iterations"], _skipped_iterations(rank)
+        stages = [row["stage"] for row in rows]
+        assert skipped == _skipped_iterations(unswapped) == _skipped_iterations(on["ranks"][0]), (rank["rank"], skipped)
+        assert [it for it in skipped if stages[it - 1] == "stable"], (rank["rank"], skipped, stages)
+        assert [it for it in skipped if stages[it - 1] == "gen_policy"], (rank["rank"], skipped, stages)
+        scale_in = [None, *(row["loss_scale"] for row in rows)]  # scale_in[i - 1]: the scale iteration i ran with
+        for it in skipped[1:]:  # an overflow again after the scale grew back; the skip halves it
+            assert scale_in[it - 1] > scale_in[it - 2] and rows[it - 1]["loss_scale"] < scale_in[it - 1], scale_in
+        first = stages.index("stable")
+        assert set(stages[first:]) == {"stable"} and len(stages) - first >= MIN_STABLE_ITERATIONS, stages
+        stable = list(enumerate(rows[first:], start=first + 1))
+        assert all(row["stage_transition"] is None and row["passive_swaps"] == 0 for _, row in stable), stable
+        assert all(row["sequence_change_kind"] == "identical" for it, row in stable if it not in skipped), stable
+        assert all(row["sequence_change_kind"] != "changed" for _, row in stable), stable
+        assert all(0 < row["swap_out_bytes"] < rows[0]["swap_out_bytes"] for _, row in stable), stable
 
 
 def test_the_layouts_are_what_they_say(results):
@@ -105,6 +144,9 @@ def test_the_layouts_are_what_they_say(results):
     assert layouts["pipeline"]["dp"] == 1 and layouts["zero2"]["dp"] == 2
     assert layouts["zero1-gas4"]["gradient_accumulation_steps"] == 4
     assert layouts["fp16"]["precision"] == "fp16" and layouts["zero2"]["precision"] == "fp32"
+    assert layouts["fp16-window"]["precision"] == "fp16"
+    assert [(layouts[n]["precision"], layouts[n]["zero_stage"], layouts[n]["optimizer"]) for n in ("bf16", "bf16-zero1")] \
+        == [("bf16", 2, "DeepSpeedZeroOptimizer"), ("bf16", 1, "BF16_Optimizer")]
     # the overflows really skipped steps (the op sequence of those iterations had no optimizer update)
     assert 0 < layouts["fp16"]["skipped_steps"] < ITERATIONS
     assert all(layout["world_size"] == 2 for layout in layouts.values())
