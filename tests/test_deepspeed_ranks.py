@@ -51,6 +51,9 @@ LAYOUTS = {
     "fp16-window": ("fp16_scale_window.json", {}, [], "4MiB"),
 }
 OVERFLOW_IN_STABLE = "fp16-window"
+# The same fp16 job with one micro-batch per step (each skipped step is then a larger share of the iteration's
+# ops) and 2 layers, measuring only (the profiler's stages are the same with and without swapping)
+ONE_MICRO_BATCH = ("fp16_scale_window.json", {"gradient_accumulation_steps": 1}, ["--num-layers", "2"])
 OUT_OF_MEMORY_RUNS = ("zero1-gas4", "pipeline")  # the run without Chameleon at the tight capacity, too
 
 
@@ -78,6 +81,15 @@ def results(tmp_path_factory):
         for variant, chameleon, size in variants:
             runs.append({"name": f"{name}-{variant}", "world_size": 2, "timeout_s": 300,
                          "argv": _argv(name, path, work / f"{name}-{variant}.report.json", chameleon, size)})
+    file, changes, extra = ONE_MICRO_BATCH
+    config = {**json.loads((CONFIGS / file).read_text()), **changes}
+    config["chameleon"]["device"]["host_op_s"] = STEADY_HOST_OP_S
+    path = work / "fp16-window-gas1.ds.json"
+    path.write_text(json.dumps(config))
+    runs.append({"name": "fp16-window-gas1-off", "world_size": 2, "timeout_s": 300,
+                 "argv": ["--deepspeed_config", str(path), "--iterations", str(STEADY_ITERATIONS[OVERFLOW_IN_STABLE]),
+                          "--chameleon-device-capacity", UNLIMITED, "--report", str(work / "fp16-window-gas1-off.report.json"),
+                          "--no-chameleon", *extra]})
     return run_jobs("train_deepspeed", runs, work)
 
 
@@ -135,6 +147,31 @@ def test_an_fp16_overflow_in_stable_is_absorbed_without_leaving_stable(results):
         assert all(row["sequence_change_kind"] == "identical" for it, row in stable if it not in skipped), stable
         assert all(row["sequence_change_kind"] != "changed" for _, row in stable), stable
         assert all(0 < row["swap_out_bytes"] < rows[0]["swap_out_bytes"] for _, row in stable), stable
+
+
+SKIPPED_STEP_REASON = (
+    "DeepSpeed's boundary step runs with grad enabled, so the profiler's signature counts its ops (unscale, "
+    "overflow check, the fp16 copies) as ops inside autograd although Chameleon.optimizer_phase() marks them: a "
+    "skipped step drops them and reads as an op-sequence change (for the profiler's owner: chameleon_dist/profiler)")
+
+
+@pytest.mark.xfail(strict=True, reason=SKIPPED_STEP_REASON)
+def test_a_skipped_step_reads_as_absorbed(results):
+    """A skipped optimizer step leaves the model's ops as they were: at most an absorbed difference."""
+    for rank in completed(results[f"{OVERFLOW_IN_STABLE}-on"])["ranks"]:
+        kinds = {rank["iterations"][it - 1]["sequence_change_kind"] for it in _skipped_iterations(rank)}
+        assert kinds <= {"identical", "absorbed"}, (rank["rank"], kinds)
+
+
+@pytest.mark.xfail(strict=True, reason=SKIPPED_STEP_REASON)
+def test_with_one_micro_batch_per_step_a_skipped_step_keeps_the_runtime_on_course(results):
+    """One micro-batch per step: a skipped step under a policy trial must not send the runtime back to WarmUp
+    (today: op-pair cosine 0.92-0.94 < 0.95, "changed", and it never reaches Stable)."""
+    report = completed(results["fp16-window-gas1-off"])
+    for rank in report["ranks"]:
+        assert [it for it in _skipped_iterations(rank) if rank["iterations"][it - 1]["stage"] != "warmup"], rank["rank"]
+        stages = [row["stage"] for row in rank["iterations"]]
+        assert stages == ["warmup"] * 2 + ["gen_policy"] * 5 + ["stable"] * (len(stages) - 7), (rank["rank"], stages)
 
 
 def test_the_layouts_are_what_they_say(results):
