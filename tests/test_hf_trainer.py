@@ -344,6 +344,19 @@ def test_deepspeed_under_the_trainer_follows_the_engine_from_the_configs_block(t
         train(tmp_path, measuring, deepspeed=with_block(None))
     assert type(measuring.chameleon).__name__ == "DeepSpeedChameleon"
     assert measuring.chameleon.last_report.failed and not measuring.chameleon.open_iteration.active
+    assert_no_rank_prefix_left()
+
+
+def assert_no_rank_prefix_left() -> None:
+    """A finished (or failed) train() leaves no rank prefix on chameleon-dist's loggers: later code in the process
+    logs as before (a leftover prefix broke tests that read log lines)."""
+    import logging
+
+    from chameleon_dist.ranks import RankLogPrefix
+
+    left = [name for name, logger in logging.Logger.manager.loggerDict.items() if name.startswith("chameleon_dist")
+            and isinstance(logger, logging.Logger) and any(isinstance(f, RankLogPrefix) for f in logger.filters)]
+    assert not left, left
 
 
 def test_deepspeed_under_the_trainer_follows_a_short_last_window_with_clipping(tmp_path, deepspeed_rank):
@@ -362,6 +375,7 @@ def test_deepspeed_under_the_trainer_closes_a_failed_step(tmp_path, deepspeed_ra
         train(tmp_path, callback, deepspeed=with_block(emulated(UNBOUNDED, **FAST)), model_hook=_raise_in_step(2, 1))
     assert callback.chameleon.last_report.failed and callback.chameleon.last_report.iteration == 2
     assert not callback.chameleon.open_iteration.active
+    assert_no_rank_prefix_left()
 
 
 def test_a_wrong_block_is_an_error_when_the_trainer_is_built(tmp_path, deepspeed_rank):

@@ -199,6 +199,7 @@ class ChameleonCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self._abandon_open_step("training ended inside an accumulation window (no optimizer step)")
         self._unguard_epochs()
+        self._release_engine_integration()
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -233,12 +234,19 @@ class ChameleonCallback(TrainerCallback):
             except Exception as exc:
                 self._unguard_epochs()
                 error = self._step_failed(exc)
+                self._release_engine_integration()
                 if error is exc:
                     raise
                 raise error from exc
 
         self._guarded = (trainer, own is not None, own)
         trainer._run_epoch = guarded_epoch
+
+    def _release_engine_integration(self) -> None:
+        """Under DeepSpeed, when ``train()`` ends (or fails): the engine's integration lets go of what it installed
+        for the process (its rank prefix on chameleon-dist's loggers); its hooks and reports stay."""
+        if self.chameleon is not None and not isinstance(self.chameleon, TrainerChameleon):
+            self.chameleon.close()
 
     def _unguard_epochs(self) -> None:
         guarded, self._guarded = self._guarded, None
