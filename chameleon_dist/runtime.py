@@ -432,7 +432,9 @@ class Chameleon:
 
     @contextlib.contextmanager
     def optimizer_phase(self) -> Iterator[None]:
-        """Marks the ops inside as the optimizer step in detailed traces (``run_iteration`` does this)."""
+        """Marks the ops inside as the optimizer step (``run_iteration`` does this): the optimizer's phase in
+        detailed traces, and outside the model's program in the op signature (a skipped step is not another
+        program)."""
         self._mark_optimizer(True)
         try:
             yield
@@ -446,10 +448,8 @@ class Chameleon:
         return optimizer
 
     def _mark_optimizer(self, active: bool) -> None:
-        observation = self._running.observation if self._running is not None else None
-        recorder = observation.recorder if observation is not None else None
-        if recorder is not None:
-            recorder.optimizer_active = active
+        if self._running is not None:  # (the profiler's scope: the step's ops are not the model's program)
+            self.profiler.scope.optimizer_step(active)
 
     def _recover(self, reason: str) -> None:
         """Start the running iteration over after an out-of-memory error (``run_iteration`` already gave

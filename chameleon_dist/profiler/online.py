@@ -107,6 +107,7 @@ class OnlineProfiler:
         stage = self.stages.stage
         self.layers.reset()
         self.micro_batches.clear()
+        self.scope.reset()
         ids: list[int] = []
         if stage == Stage.WARMUP:
             recorder = TraceRecorder(self.vocabulary, self._live_bytes, parameter_keys(), iteration, self._emulated,
@@ -139,6 +140,7 @@ class OnlineProfiler:
         did not hold."""
         observation.ids.clear()
         self.layers.reset()
+        self.scope.reset()
         if observation.recorder is not None:
             observation.recorder.new_attempt()
         observation.failed_attempts += 1

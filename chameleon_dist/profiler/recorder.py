@@ -70,7 +70,6 @@ class TraceRecorder(TorchDispatchMode):
         self.inexact_ops: list[int] = []  # forward ops that would not replay bit for bit (trace/exactness.py)
         self._replays_exactly = ReplayJudge()
         self.module_paths: list[str] = []
-        self.optimizer_active = False
         self.on_write = on_write  # hears of in-place writes
         self.listener = listener  # hears the op clock (see signature.OpListener)
         self._written = WrittenTensors()
@@ -111,7 +110,6 @@ class TraceRecorder(TorchDispatchMode):
         self.layer_times.reset()
         self._micro_batch = 0
         self._last_phase = FORWARD
-        self.optimizer_active = False
         self._start_mark = self.layer_times.timer.mark()
 
     # ---- modules ----------------------------------------------------------------------------
@@ -215,8 +213,7 @@ class TraceRecorder(TorchDispatchMode):
             (name_id, phase, micro_batch, module_id, layer, tuple(inputs), tuple(outputs), self._live_bytes())
         )
         if self.signature_ids is not None:  # the same rule as SignatureMode
-            inside = phase is not OTHER and (phase is not OPTIMIZER or self._scope.in_autograd())
-            self.signature_ids.append(name_id if inside else ~name_id)
+            self.signature_ids.append(name_id if self._scope.in_autograd() else ~name_id)
         listener = self.listener  # the op clock, as SignatureMode drives it
         if listener is not None:
             if listener.captures_producers:
@@ -239,7 +236,7 @@ class TraceRecorder(TorchDispatchMode):
     def _phase(self) -> str:
         if torch._C._current_graph_task_id() != -1:
             return BACKWARD
-        if self.optimizer_active:
+        if self._scope.optimizer_active:
             return OPTIMIZER
         return FORWARD if self._scope.in_autograd() else OTHER
 

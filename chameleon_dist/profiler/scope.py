@@ -101,10 +101,29 @@ class MicroBatchClock:
 
 
 class TrainingScope:
+    """Which ops belong to the model's program (the signature's and the trace's "inside" ops): those run with
+    gradients enabled, inside a watched model's forward, or by autograd's backward; never those of the
+    optimizer step (``optimizer_step``), whatever its grad mode (DeepSpeed's ZeRO step runs with gradients
+    enabled, and a step skipped on an fp16 overflow must not read as another program)."""
+
     def __init__(self) -> None:
         self._entered_with_grad: list[bool] = []
         self._grad_forwards = 0
+        self._optimizer_steps = False
         self.paused = False
+
+    @property
+    def optimizer_active(self) -> bool:
+        """Whether the optimizer step is running (``optimizer_step``)."""
+        return self._optimizer_steps
+
+    def optimizer_step(self, active: bool) -> None:
+        """The optimizer step begins (True) or ends (False); ``reset`` ends it too."""
+        self._optimizer_steps = active
+
+    def reset(self) -> None:
+        """A new iteration or attempt: no optimizer step is running (a step that raised never said it ended)."""
+        self._optimizer_steps = False
 
     def watch(self, model: nn.Module) -> None:
         """Hooks on the model's own forward (one pair per call of the whole model, not per layer)."""
@@ -121,6 +140,8 @@ class TrainingScope:
             self._grad_forwards -= self._entered_with_grad.pop()
 
     def in_autograd(self) -> bool:
+        if self._optimizer_steps:
+            return False
         return torch.is_grad_enabled() or self._grad_forwards > 0 or torch._C._current_graph_task_id() != -1
 
     @contextlib.contextmanager
