@@ -82,3 +82,44 @@ def test_a_wobbling_sequence_differs_but_is_not_changed_and_a_real_change_is(cap
     assert len(logged[13]) == 1 and "profiler.cosine_threshold" in logged[13][0], "the log names the setting"
     assert [r.to_dict()["sequence_change_major"] for r in reports] == [r.sequence_changed for r in reports], (
         "the older name (a deprecated JSON key) agrees")
+
+
+class SkippingSGD(torch.optim.SGD):
+    """An SGD whose step runs with gradients enabled (as DeepSpeed's ZeRO step does) and does its work only on
+    some iterations (a step skipped on an fp16 overflow): many ops come and go."""
+
+    def __init__(self, params, skip_at: set[int]) -> None:
+        super().__init__(params, lr=0.01)
+        self.skip_at, self.calls = skip_at, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        with torch.enable_grad():
+            if self.calls in self.skip_at:
+                return None
+            for group in self.param_groups:
+                for p in (p for p in group["params"] if p.grad is not None):
+                    norm = p.grad.detach().float().norm()  # an unscale / overflow check of its own
+                    p.grad.detach().div_(torch.clamp(norm, min=1.0)).mul_(torch.clamp(norm, min=1.0))
+        return super().step(closure)
+
+
+def test_a_skipped_optimizer_step_is_not_another_program():
+    """The optimizer step's ops are not the model's, whatever its grad mode: skipping the step changes only ops
+    outside the model's program (absorbed), so nothing is re-planned (before: "changed", back to WarmUp)."""
+    torch.manual_seed(0)
+    model = RoutedMLP()
+    runtime = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(capacity_bytes=10**9))
+    runtime.attach(model)
+    optimizer = SkippingSGD(model.parameters(), skip_at={4, 9, 10})
+    x = torch.randn(32, HIDDEN)
+    reports = []
+    for _ in range(12):
+        runtime.run_iteration(lambda: _iteration(model, x, None), optimizer=optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        reports.append(runtime.last_report)
+    kinds = [r.sequence_change_kind for r in reports]
+    # a skipped step leaves only ~ops (outside the model) different: absorbed, never a change to re-plan for
+    assert kinds[1:] == ["absorbed" if i in optimizer.skip_at else "identical" for i in range(2, 13)], \
+        [r.stage_transition for r in reports]
+    assert reports[-1].stage == Stage.STABLE and all(r.stage_transition is None for r in reports[8:])
