@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +47,8 @@ def _assert_nothing_left_behind():
     assert not parallel_state.model_parallel_is_initialized()
     assert not dist.is_initialized()
     for patch in CPU_PATCHES:
-        module_name, _, attr = patch.target.partition(":")
-        value = getattr(sys.modules[module_name], attr)
+        module_name, _, attrs = patch.target.partition(":")
+        value = functools.reduce(getattr, attrs.split("."), sys.modules[module_name])
         assert upstream_original(value) is value, f"{patch.name} still applied"
 
 

@@ -11,6 +11,7 @@ literals (e.g. in Megatron's pipeline schedules) into CPU; enter it only around 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -152,12 +153,64 @@ MEGATRON_ROUTER_GATING_LINEAR_ON_CPU = Patch(
     make_replacement=_make_router_gating_linear,
 )
 
+def _make_runs_on_cpu(original: Any) -> Any:
+    @functools.wraps(original)
+    def runs_on_cpu(*args: Any, **kwargs: Any) -> Any:
+        """Runs the Megatron function under CudaLiteralsToCpu(cuda_type_names=True) (installed by chameleon-dist)."""
+        with CudaLiteralsToCpu(cuda_type_names=True):
+            return original(*args, **kwargs)
+
+    return runs_on_cpu
+
+
+_OPTIMIZER_REMOVE_WHEN = "Megatron-core's optimizers take their device from the parameters (or CPU runs are dropped)"
+_OPTIMIZER_CPU_TARGETS: tuple[tuple[str, str, str, str], ...] = (
+    ("megatron-grad-scaler-on-cpu", "grad_scaler:MegatronGradScaler.__init__", "6c9849a1e16b717b",
+     "The loss scale is made with device='cuda'."),
+    ("megatron-dynamic-grad-scaler-on-cpu", "grad_scaler:DynamicGradScaler.__init__", "e842137264937a93",
+     "The dynamic loss scaler's minimum, growth and backoff factors are made with device='cuda'."),
+    ("megatron-mixed-precision-optimizer-on-cpu", "optimizer:MixedPrecisionOptimizer.__init__", "9bde63c621a02c7c",
+     "found_inf, the overflow buffer and the unit scale are made with device='cuda'."),
+    ("megatron-float16-optimizer-on-cpu", "optimizer:Float16OptimizerWithFloat16Params.__init__", "fe98719f827f4f1e",
+     "Parameters are sorted by tensor.type() == 'torch.cuda.{Half,BFloat16,Float}Tensor'; any other is refused."),
+    ("megatron-distributed-optimizer-on-cpu", "distrib_optimizer:DistributedOptimizer.__init__", "9065c18bc9116278",
+     "16-bit parameters are recognised by tensor.type() == 'torch.cuda.{Half,BFloat16}Tensor' here and in the "
+     "_build_model_and_main_param_groups it calls, which makes the main-parameter shards and refuses any other "
+     "type name."),
+    ("megatron-grad-norm-on-cpu", "optimizer:get_grad_norm_fp32", "7fa2ba2493d43f1d",
+     "The gradient norm is reduced in a tensor made with device='cuda' (the name optimizer.py imported)."),
+    ("megatron-clip-grad-on-cpu", "optimizer:clip_grad_by_total_norm_fp32", "8edb9da5365045a5",
+     "Asserts grad.type() == 'torch.cuda.FloatTensor' and makes its overflow buffer with device='cuda' (the name "
+     "optimizer.py imported)."),
+    ("megatron-count-zeros-on-cpu", "optimizer:count_zeros_fp32", "13c3d83b24659503",
+     "Counts into a tensor made with device='cuda' (the name optimizer.py imported; log_num_zeros_in_grad)."),
+)
+
+OPTIMIZER_CPU_PATCHES: tuple[Patch, ...] = tuple(
+    Patch(
+        name=name,
+        target=f"megatron.core.optimizer.{target}",
+        package="megatron-core",
+        versions=_MEGATRON_VERSIONS,
+        why=f"{what} On CPU the function runs under CudaLiteralsToCpu(cuda_type_names=True): CUDA literals make CPU "
+            "tensors and tensor.type() answers the CUDA type's name, so Megatron's mixed-precision and distributed "
+            "optimizers (and their loss scalers and gradient clipping) run unchanged on CPU tensors.",
+        remove_when=_OPTIMIZER_REMOVE_WHEN,
+        fingerprint=fingerprint,
+        make_replacement=_make_runs_on_cpu,
+    )
+    for name, target, fingerprint, what in _OPTIMIZER_CPU_TARGETS
+)
+"""Megatron's optimizer on CPU: each function that hard-codes CUDA runs under :class:`CudaLiteralsToCpu` with
+CUDA type names."""
+
 CPU_PATCHES: tuple[Patch, ...] = (
     CURRENT_DEVICE_IS_CPU,
     MEGATRON_RNG_GET_IS_CPU,
     MEGATRON_RNG_SET_IS_CPU,
     MEGATRON_CAUSAL_MASK_ON_CPU,
     MEGATRON_ROUTER_GATING_LINEAR_ON_CPU,
+    *OPTIMIZER_CPU_PATCHES,
 )
 
 
@@ -169,12 +222,23 @@ def _is_cuda_device(value: Any) -> bool:
 
 class CudaLiteralsToCpu(TorchFunctionMode):
     """Turn ``device="cuda"`` (keyword or positional ``.to("cuda")``), ``.cuda()`` and ``.pin_memory()``
-    into CPU no-ops while active. Enter it only around calls that hard-code CUDA (pipeline schedules)."""
+    into CPU no-ops while active. Enter it only around calls that hard-code CUDA (pipeline schedules).
+
+    With ``cuda_type_names=True`` it also answers ``tensor.type()`` (no argument) for a CPU tensor with the CUDA
+    tensor type's name (``"torch.cuda.BFloat16Tensor"`` for a CPU bfloat16 tensor): Megatron's optimizers sort
+    parameters by that name and refuse any other. Only for code that merely compares the name."""
+
+    def __init__(self, cuda_type_names: bool = False) -> None:
+        super().__init__()
+        self.cuda_type_names = cuda_type_names
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
+        if self.cuda_type_names and func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)  # (already a CUDA name when a nested mode answered)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = _CPU
             kwargs.pop("pin_memory", None)
