@@ -39,6 +39,9 @@ with warnings.catch_warnings():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,7 @@ def megatron_cpu_session(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_model_parallel_size: int = 1,
 ) -> Iterator[CpuSession]:
     """Run Megatron-core on CPU: CPU patches, gloo process group, model-parallel state, RNG tracker.
 
@@ -111,6 +115,7 @@ def megatron_cpu_session(
             tensor_model_parallel_size=tensor_model_parallel_size,
             pipeline_model_parallel_size=pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=expert_model_parallel_size,
         )
         stack.callback(parallel_state.destroy_model_parallel)
         # The inference tracker never forks RNG states (there is no CUDA RNG to fork): dropout must be 0.
@@ -147,6 +152,7 @@ def transformer_config(shape: TransformerShape, **overrides: Any) -> Transformer
         "num_attention_heads": shape.num_attention_heads,
         "ffn_hidden_size": shape.ffn_hidden_size,
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size": parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         "use_cpu_initialization": True,
@@ -174,6 +180,7 @@ def build_gpt(
     gpt_kwargs: Mapping[str, Any] | None = None,
     vp_stage: int | None = None,
     num_experts: int | None = None,
+    max_sequence_length: int | None = None,
     **config_overrides: Any,
 ) -> GPTModel:
     """Build a ``GPTModel`` (local layer spec, fp32, no fusions) inside a :func:`megatron_cpu_session`.
@@ -185,6 +192,10 @@ def build_gpt(
 
     ``num_experts`` makes every MLP a mixture of experts (local MoE layer spec, no grouped GEMM) and sets
     :data:`MOE_CPU_SETTINGS` in the config, under ``config_overrides`` (e.g. ``moe_router_topk=1``).
+    ``normalization="RMSNorm"`` selects torch's RMSNorm in the local spec; with ``sequence_parallel=True`` the
+    norms are :class:`SequenceParallelNorm` (the local spec's torch norms refuse sequence parallelism, since their
+    weights' gradients would never be all-reduced over the tensor-parallel ranks). ``max_sequence_length``: the
+    position embedding's table (default ``shape.seq_length``).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_gpt needs Megatron's model-parallel state: enter megatron_cpu_session() first")
@@ -192,6 +203,8 @@ def build_gpt(
     if num_experts is not None:
         config_overrides = {**MOE_CPU_SETTINGS, "num_moe_experts": num_experts, **config_overrides}
     config = transformer_config(shape, **config_overrides)
+    if config.sequence_parallel:
+        layer_spec = _sequence_parallel_block(layer_spec, config, vp_stage)
     interleaved = vp_stage is not None
     kwargs: dict[str, Any] = {
         "pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=not interleaved, vp_stage=vp_stage),
@@ -206,7 +219,7 @@ def build_gpt(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=shape.vocab_size,
-            max_sequence_length=shape.seq_length,
+            max_sequence_length=shape.seq_length if max_sequence_length is None else max_sequence_length,
             **kwargs,
         )
     return model
@@ -217,13 +230,39 @@ def _layer_spec(num_experts: int | None, config_overrides: Mapping[str, Any]) ->
     if "num_moe_experts" in config_overrides:
         raise ValueError("pass num_experts= to build_gpt instead of the num_moe_experts override: it also "
                          "selects the MoE layer spec")
+    normalization = config_overrides.get("normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization={normalization!r}: the local spec runs LayerNorm or RMSNorm")
     if num_experts is None:
-        return get_gpt_layer_local_spec()
+        return get_gpt_layer_local_spec(normalization=normalization)
     if num_experts < 1:
         raise ValueError(f"num_experts={num_experts} must be >= 1 (or None for dense MLPs)")
     if config_overrides.get("moe_grouped_gemm", False):
         raise ValueError("moe_grouped_gemm=True needs Transformer Engine's grouped GEMM; leave moe_grouped_gemm=False")
-    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization)
+
+
+class SequenceParallelNorm:
+    """The local spec's torch ``LayerNorm`` / ``RMSNorm`` (``config.normalization``), with its parameters marked
+    ``sequence_parallel`` as Megatron's fused norms mark theirs: under sequence parallelism each tensor-parallel
+    rank normalises its part of the sequence, and ``finalize_model_grads`` all-reduces the gradients of the
+    parameters so marked. (``WrappedTorchNorm`` refuses ``sequence_parallel`` for want of that mark.)"""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> torch.nn.Module:
+        norm_class = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_class(normalized_shape=hidden_size, eps=eps)
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _sequence_parallel_block(layer_spec: ModuleSpec, config: TransformerConfig, vp_stage: int | None) -> Any:
+    """The block of this stage's layers, with :class:`SequenceParallelNorm` where the local spec has torch norms."""
+    changes = {name: SequenceParallelNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+               if getattr(layer_spec.submodules, name, None) is WrappedTorchNorm}
+    layer_spec = dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **changes))
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelNorm)
 
 
 def synthetic_batch(shape: TransformerShape, step: int, seed: int) -> dict[str, torch.Tensor]:
