@@ -8,8 +8,10 @@ A training script adds, after building its model chunks (and optimizer)::
 and calls ``forward_backward(...)`` exactly as before. Each call is one iteration of the rank's runtime: it
 opens when the call begins and closes when ``optimizer.step()`` returns (or when the call returns, if no
 optimizer was given). The schedule's forward and backward steps name each micro-batch and model chunk
-(``schedule.py``); Megatron's parameters, DDP gradient buffers and ``GlobalMemoryBuffer`` workspaces are
-never swapped, nor is anything packed while Megatron recomputes a layer inside backward.
+(``schedule.py``); Megatron's parameters, DDP gradient (and, under the distributed optimizer, parameter)
+buffers, ``GlobalMemoryBuffer`` workspaces (sequence-parallel all-gathers, MoE token dispatch) and the optimizer's
+main parameters and state are never swapped, nor is anything packed while Megatron recomputes a layer inside
+backward.
 
 Failure (NOTE [One rank cannot retry alone]): a multi-rank job never retries an iteration. The error a rank
 raises names its coordinates; the launcher (torchrun) then ends the other ranks.
@@ -104,6 +106,22 @@ def _gradient_buffers(model_chunks: Iterable[nn.Module]) -> list[torch.Tensor]:
             continue
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             found += [t for t in (buffer.grad_data, buffer.param_data) if t is not None]
+    return found
+
+
+def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """What an optimizer holds besides the model's parameters (none for a torch optimizer over them): a Megatron
+    optimizer's fp32 main parameters (this rank's shards under the distributed optimizer; views of the parameter
+    buffer for fp32 parameters) and the state of the torch optimizers inside it (made by the first step)."""
+    if optimizer is None:
+        return []
+    found: list[torch.Tensor] = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        stepped = getattr(inner, "optimizer", inner)  # a Megatron optimizer wraps a torch one
+        for group in getattr(stepped, "param_groups", ()):
+            found += [p for p in group["params"] if isinstance(p, torch.Tensor)]
+        for state in getattr(stepped, "state", {}).values():
+            found += [t for t in state.values() if isinstance(t, torch.Tensor)]
     return found
 
 
@@ -222,11 +240,11 @@ def install(
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     coordinates = coordinates_of(chunks, process_groups)
     runtime = Chameleon(_config(config), device=device, coordinates=coordinates)
-    for buffer in _gradient_buffers(chunks):
-        track = getattr(runtime.device, "track", None)  # the emulated device counts what it did not see made
-        if track is not None:
+    track = getattr(runtime.device, "track", None)  # the emulated device counts what it did not see made
+    if track is not None:
+        for buffer in [*_gradient_buffers(chunks), *_optimizer_tensors(optimizer)]:
             track(buffer)
-    runtime.executor.protect(lambda: [*_gradient_buffers(chunks), *_workspaces()])
+    runtime.executor.protect(lambda: [*_gradient_buffers(chunks), *_workspaces(), *_optimizer_tensors(optimizer)])
     for chunk in chunks:
         runtime.attach(_unwrapped(chunk))
     integration = MegatronChameleon(runtime, cuda_literals_on_cpu=cuda_literals_on_cpu)
