@@ -105,11 +105,14 @@ def gather(value: Any) -> list[Any]:
 
 
 def write_report(path: str | Path, layout: dict[str, Any], chameleon: dict[str, Any], losses: list[float],
-                 ranks: list[dict[str, Any]]) -> Path:
-    """Write the report JSON (rank 0 only calls this, with every rank's ``RankRecord.to_dict()``)."""
+                 ranks: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:
+    """Write the report JSON (rank 0 only calls this, with every rank's ``RankRecord.to_dict()``); ``extra``: more
+    top-level keys (e.g. the Megatron launcher's ``steps``: each optimizer step's loss scale and whether it was
+    skipped)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"layout": layout, "chameleon": chameleon, "losses": [float(x).hex() for x in losses], "ranks": ranks}
+    body = {"layout": layout, "chameleon": chameleon, "losses": [float(x).hex() for x in losses], "ranks": ranks,
+            **(extra or {})}
     path.write_text(json.dumps(body, indent=1) + "\n")
     logger.info("report written to %s", path)
     return path

@@ -27,11 +27,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from launch import megatron_flags
 from launch.cuda_ranks import rank_cuda_setup
 from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
 
-from chameleon_dist.config.megatron_args import add_megatron_args, config_from_megatron_args
-from chameleon_dist.config.sizes import parse_size_bytes
+from chameleon_dist.config.megatron_args import config_from_megatron_args
 from chameleon_dist.models.shape import TransformerShape
 from chameleon_dist.units import format_bytes
 
@@ -40,6 +40,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from chameleon_dist.integrations.megatron import gpt  # noqa: E402
@@ -58,61 +60,9 @@ CPU_DEFAULT_MIN_SWAP = "16KiB"
 model's activations are tens of KiB, below the 1 MiB default meant for real models."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    layout = parser.add_argument_group("layout")
-    layout.add_argument("--tp", type=int, default=1, help="Tensor-parallel size.")
-    layout.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size.")
-    layout.add_argument("--vpp", type=int, default=1, help="Model chunks per pipeline stage (interleaved 1F1B when > 1).")
-    layout.add_argument("--micro-batches", type=int, default=4, help="Micro-batches per iteration.")
-    layout.add_argument("--micro-batch-size", type=int, default=4)
-    model = parser.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=4)
-    model.add_argument("--hidden-size", type=int, default=64)
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--seq-length", type=int, default=128)
-    model.add_argument("--vocab-size", type=int, default=128)
-    model.add_argument("--vary-seq-length", action="store_true",
-                       help="Change the sequence length every 3 iterations (full, 1/2, 3/4 of --seq-length).")
-    model.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                       help="Megatron's own activation recomputation (full: every layer, uniform, 1 layer per group).")
-    model.add_argument("--num-experts", type=int, default=0,
-                       help="Experts per MLP (mixture of experts, token dispatcher allgather); 0: dense MLPs.")
-    model.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to (with --num-experts).")
-    run = parser.add_argument_group("run")
-    run.add_argument("--iterations", type=int, default=10)
-    run.add_argument("--seed", type=int, default=1234)
-    run.add_argument("--lr", type=float, default=3e-3)
-    run.add_argument("--report", default=None, metavar="PATH", help="Write the JSON report here (rank 0).")
-    run.add_argument("--fail-rank", type=int, default=None, metavar="RANK",
-                     help="Testing: this rank raises in the forward of --fail-iteration (the job must end, not hang).")
-    run.add_argument("--fail-iteration", type=int, default=2)
-    run.add_argument("--squeeze-rank", type=int, default=None, metavar="RANK",
-                     help="Testing: another tenant takes --squeeze-bytes of this rank's device memory in the first "
-                          "forward step of --squeeze-iteration and holds it to the iteration's end (relief inside "
-                          "the op must absorb it: the job goes on).")
-    run.add_argument("--squeeze-iteration", type=int, default=2)
-    run.add_argument("--squeeze-bytes", type=parse_size_bytes, default=0, metavar="SIZE")
-    run.add_argument("--dist-timeout-s", type=float, default=300.0,
-                     help="Collective timeout: a backstop should a peer vanish without torchrun noticing.")
-    add_megatron_args(parser)
-    args = parser.parse_args(argv)
-    problems = []
-    for name in ("tp", "pp", "vpp", "micro_batches", "micro_batch_size", "num_layers", "iterations"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    if args.num_experts < 0 or (args.num_experts and not 1 <= args.moe_router_topk <= args.num_experts):
-        problems.append(f"--num-experts {args.num_experts} must be >= 0 and --moe-router-topk {args.moe_router_topk} "
-                        "between 1 and --num-experts")
-    if args.vpp > 1 and args.pp < 2:
-        problems.append("--vpp > 1 needs --pp >= 2 (interleaving splits pipeline stages)")
-    if args.num_layers % (args.pp * args.vpp):
-        problems.append(f"--num-layers {args.num_layers} must be divisible by --pp x --vpp = {args.pp * args.vpp}")
-    if args.vpp > 1 and args.micro_batches % args.pp:
-        problems.append(f"interleaving needs --micro-batches divisible by --pp ({args.micro_batches} % {args.pp})")
-    if problems:
-        parser.error("; ".join(problems))
-    return args
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """The launcher's flags (``launch/megatron_flags.py``: Megatron-LM's names, checked before any process group)."""
+    return megatron_flags.parse_args(argv, world_size)
 
 
 def seq_length_at(args: argparse.Namespace, iteration: int) -> int:
@@ -132,7 +82,8 @@ def session(args: argparse.Namespace) -> Iterator[bool]:
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group("gloo", init_method="env://", timeout=timeout)
         with gpt.megatron_cpu_session(args.seed, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                                      virtual_pipeline_model_parallel_size=vpp):
+                                      virtual_pipeline_model_parallel_size=vpp,
+                                      expert_model_parallel_size=args.expert_model_parallel_size):
             yield True
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -143,7 +94,8 @@ def session(args: argparse.Namespace) -> Iterator[bool]:
     index, backend = rank_cuda_setup(torch.cuda.device_count())
     torch.cuda.set_device(index)
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    parallel_state.initialize_model_parallel(args.tp, args.pp, virtual_pipeline_model_parallel_size=vpp)
+    parallel_state.initialize_model_parallel(args.tp, args.pp, virtual_pipeline_model_parallel_size=vpp,
+                                             expert_model_parallel_size=args.expert_model_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     try:
         yield False
@@ -152,10 +104,12 @@ def session(args: argparse.Namespace) -> Iterator[bool]:
         dist.destroy_process_group()
 
 
-def build_chunks(args: argparse.Namespace, shape: TransformerShape, on_cpu: bool) -> list[torch.nn.Module]:
+def config_overrides(args: argparse.Namespace, on_cpu: bool) -> dict[str, Any]:
+    """The TransformerConfig fields the flags set (beyond ``gpt.transformer_config``'s CPU-safe defaults)."""
     overrides: dict[str, Any] = {}
     if args.recompute == "full":
-        overrides = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        overrides = {"recompute_granularity": "full", "recompute_method": args.recompute_method,
+                     "recompute_num_layers": args.recompute_num_layers}
     elif args.recompute == "selective":
         overrides = {"recompute_granularity": "selective"}
     if not on_cpu:
@@ -163,16 +117,59 @@ def build_chunks(args: argparse.Namespace, shape: TransformerShape, on_cpu: bool
     if args.num_experts:
         overrides.update(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                          moe_router_pre_softmax=args.moe_router_topk == 1)  # Megatron requires it for top-1
+    if args.sequence_parallel:
+        overrides.update(sequence_parallel=True)
+    if args.bf16 or args.fp16:
+        dtype = torch.bfloat16 if args.bf16 else torch.float16
+        overrides.update(bf16=args.bf16, fp16=args.fp16, params_dtype=dtype, pipeline_dtype=dtype)
+    if args.normalization != "LayerNorm":
+        overrides.update(normalization=args.normalization)
+    if args.swiglu:
+        overrides.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if args.group_query_attention:
+        overrides.update(num_query_groups=args.num_query_groups)
+    if args.disable_bias_linear:
+        overrides.update(add_bias_linear=False)
+    return overrides
+
+
+def build_chunks(args: argparse.Namespace, shape: TransformerShape, on_cpu: bool) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual stage), each in Megatron's DistributedDataParallel (and in its
+    Float16Module under --bf16/--fp16)."""
+    overrides = config_overrides(args, on_cpu)
+    gpt_kwargs: dict[str, Any] = {"share_embeddings_and_output_weights": False,
+                                  "position_embedding_type": args.position_embedding_type}
+    if args.position_embedding_type == "rope":
+        gpt_kwargs.update(rotary_base=args.rotary_base)
     stages = [None] if args.vpp == 1 else list(range(args.vpp))
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for vp_stage in stages:
         chunk = gpt.build_gpt(shape, seed=args.seed + 1000 * pp_rank + (vp_stage or 0), vp_stage=vp_stage,
-                              gpt_kwargs={"share_embeddings_and_output_weights": False}, **overrides)
-        chunks.append(chunk if on_cpu else chunk.cuda())
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, use_distributed_optimizer=False)
+                              max_sequence_length=args.max_position_embeddings, gpt_kwargs=gpt_kwargs, **overrides)
+        chunk = chunk if on_cpu else chunk.cuda()
+        chunks.append(Float16Module(chunk.config, chunk) if args.bf16 or args.fp16 else chunk)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=args.overlap_grad_reduce, use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather, grad_reduce_in_fp32=args.bf16)  # (Megatron-LM's for bf16)
     return [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=(i > 0))
             for i, chunk in enumerate(chunks)]
+
+
+def build_optimizer(args: argparse.Namespace, chunks: list[torch.nn.Module]) -> Any:
+    """Megatron's optimizer (mixed precision, distributed) under --use-distributed-optimizer/--bf16/--fp16; else
+    torch Adam over the parameters (the launcher's first path, kept so its layouts keep their figures)."""
+    if not args.megatron_optimizer:
+        return torch.optim.Adam([p for chunk in chunks for p in chunk.parameters()], lr=args.lr)
+    config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.lr, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_param_gather=args.overlap_param_gather,
+        weight_decay=0.01 if args.weight_decay is None else args.weight_decay,
+        clip_grad=1.0 if args.clip_grad is None else args.clip_grad, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+    return get_megatron_optimizer(config, chunks)
 
 
 def batches_for(args: argparse.Namespace, iteration: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
@@ -185,6 +182,7 @@ def batches_for(args: argparse.Namespace, iteration: int, device: torch.device) 
 
 def shape_for(args: argparse.Namespace, seq_length: int) -> TransformerShape:
     return TransformerShape(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                            ffn_hidden_size=args.ffn_hidden_size,
                             vocab_size=args.vocab_size, seq_length=seq_length, micro_batch_size=args.micro_batch_size)
 
 
@@ -221,14 +219,19 @@ def train(args: argparse.Namespace) -> None:
         config = chunks[0].config
         config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
         config.finalize_model_grads_func = finalize_model_grads
+        if args.overlap_param_gather:
+            config.param_sync_func = [c.start_param_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_param_sync
         parameters = [p for chunk in chunks for p in chunk.parameters()]
-        optimizer = torch.optim.Adam(parameters, lr=args.lr)
+        optimizer = build_optimizer(args, chunks)
+        if args.megatron_optimizer:
+            config.grad_scale_func = optimizer.scale_loss  # (as Megatron-LM: fp16's loss scale, 1 otherwise)
         chameleon = install(chunks, chameleon_config(args, on_cpu), optimizer=optimizer, cuda_literals_on_cpu=on_cpu)
         coordinates = chameleon.coordinates
         record = RankRecord(coordinates.to_dict(), chameleon.device.capacity_bytes)
         forward_backward = chameleon.wrap(get_forward_backward_func())
         last_stage = parallel_state.is_pipeline_last_stage()
         losses: list[float] = []
+        steps: list[dict[str, Any]] = []
         for iteration in range(args.iterations):
             batches = batches_for(args, iteration, device)
             iterators = [iter(batches) for _ in chunks]
@@ -243,27 +246,43 @@ def train(args: argparse.Namespace) -> None:
                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=args.micro_batches,
                 seq_length=seq_length_at(args, iteration), micro_batch_size=args.micro_batch_size, forward_only=False,
             )
-            for p in parameters:
-                p.grad = p.main_grad
-            optimizer.step()  # closes the iteration (install(optimizer=...))
+            if args.megatron_optimizer:
+                scale = float(optimizer.get_loss_scale())
+                updated, _grad_norm, _zeros = optimizer.step()  # closes the iteration (install(optimizer=...))
+                steps.append({"loss_scale": scale, "skipped": not updated})
+            else:
+                for p in parameters:
+                    p.grad = p.main_grad
+                optimizer.step()  # closes the iteration (install(optimizer=...))
             squeeze.clear()
             row = record.add(chameleon.last_report)
             loss = sum(float(d["lm loss"]) for d in reduced) / len(reduced) if last_stage and reduced else None
             progress(args, iteration, loss, row, gather((coordinates.pp_rank, coordinates.tp_rank, coordinates.dp_rank, loss, row)),
                      record.capacity_bytes, losses)
+        if args.overlap_param_gather:  # the last step's parameters are gathered by the next forward: gather them now
+            for chunk in chunks:
+                chunk.start_param_sync(force_sync=True)
         record.schedule = schedule_of(chameleon.last_trace)
-        record.params_sha256 = params_sha256((f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters())
+        record.params_sha256 = params_sha256(trained_tensors(chunks, optimizer if args.megatron_optimizer else None))
         records = gather(record.to_dict())
         chameleon.close()
         if coordinates.rank == 0 and args.report:
-            layout = {"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "dp": coordinates.dp_size,
-                      "world_size": coordinates.world_size, "micro_batches": args.micro_batches,
-                      "micro_batch_size": args.micro_batch_size, "recompute": args.recompute,
-                      "num_layers": args.num_layers, "hidden_size": args.hidden_size, "seq_length": args.seq_length,
-                      "vary_seq_length": args.vary_seq_length, "iterations": args.iterations, "seed": args.seed,
-                      "num_experts": args.num_experts}
             settings = {"enabled": chameleon.config.enabled, "config": chameleon.config.model_dump(mode="json")}
-            write_report(args.report, layout, settings, losses, records)
+            write_report(args.report, megatron_flags.layout_of(args, coordinates), settings, losses, records,
+                         extra={"steps": steps} if steps else None)
+
+
+def trained_tensors(chunks: list[torch.nn.Module], optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a run's result is: every chunk's parameters and, with Megatron's optimizer, the fp32 main parameters
+    it steps (this rank's shards under the distributed optimizer)."""
+    for i, chunk in enumerate(chunks):
+        for name, parameter in chunk.named_parameters():
+            yield f"{i}.{name}", parameter
+    if optimizer is not None:
+        for j, inner in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+            for g, group in enumerate(inner.optimizer.param_groups):
+                for k, parameter in enumerate(group["params"]):
+                    yield f"main.{j}.{g}.{k}", parameter
 
 
 def progress(args, iteration, loss, row, everyone, capacity_bytes, losses) -> None:
