@@ -27,6 +27,12 @@ COMMON = ["--iterations", str(ITERATIONS), "--hidden-size", "64", "--seq-length"
           "--micro-batches", "4", "--chameleon-min-swap-bytes", "16KiB"]
 UNLIMITED = "4GB"
 
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
+# fp16's dynamic loss scale doubles after every 2 good steps: it overflows in iteration 5 (a trial), grows back and
+# overflows again in iteration 10, in Stable (each overflow skips the step and halves the scale)
+LOSS_SCALE = ["--initial-loss-scale", "32768", "--loss-scale-window", "2", "--hysteresis", "1"]
+
 # name -> (world size, layout arguments, emulated capacity per rank: below the largest unswapped peak)
 LAYOUTS = {
     "tp2": (2, ["--tp", "2"], "8MB"),
@@ -38,11 +44,21 @@ LAYOUTS = {
     "tp2-selective-recompute": (2, ["--tp", "2", "--recompute", "selective"], "8MB"),
     "pp2-vary-seq-length": (2, ["--pp", "2", "--vary-seq-length"], "10MB"),
     "pp2-moe": (2, ["--pp", "2", "--num-experts", "4"], "15MB"),  # unswapped peaks 30.4MB / 18.7MB; 13MB runs out
+    # Megatron's features as its users run them (two layers each, to keep the batch short):
+    "tp2dp2-sp-distopt-bf16": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--use-distributed-optimizer", "--overlap-param-gather", "--bf16", "--num-layers", "2"],
+                               "3MB"),  # unswapped peaks 4.2-4.3MB
+    "tp2pp2-sp-llama-fp16": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                 "--sequence-parallel", "--num-layers", "2", *LLAMA, "--fp16", *LOSS_SCALE], "3.5MB"),
+    "ep2-moe": (2, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"], "12MB"),
 }
 SIZES = {"MB": 10**6, "GB": 10**9}
 # Layouts trained long enough to reach the steady state users train in: 2 WarmUp and 5 trial iterations, then
 # Stable on every rank for the rest (tests below assert it)
-STEADY_ITERATIONS = {"tp2pp2": 12}
+STEADY_ITERATIONS = {"tp2pp2": 12, "tp2dp2-sp-distopt-bf16": 11, "tp2pp2-sp-llama-fp16": 11, "ep2-moe": 11}
+# ... where Stable's iterations differ from the reference, though not enough to re-plan: a skipped step (no update:
+# ~ops only) or another routing of the tokens (tokens per expert)
+STABLE_CHANGES = {"tp2pp2-sp-llama-fp16": {"absorbed"}, "ep2-moe": {"absorbed", "rescaled", "rerouted"}}
 MIN_STABLE_ITERATIONS = 4
 # ... with a fixed host cost per op: the trials' times, and so each rank's Stable policy, are the same on every
 # machine (measured host time is noise on an emulated device that is host-bound: a rank that fits may then
@@ -120,8 +136,55 @@ def test_every_rank_reaches_stable_and_stays(results, name):
     """The steady state is where users train: every rank settles in Stable after its trials and stays there,
     with no passive swap (each one a policy miss paid synchronously) and a policy that swaps less than
     WarmUp's swap-everything (none on a rank that fits), while training bit-identically (asserted above)."""
-    assert_settled_in_stable(completed(results[f"{name}-on"]), completed(results[f"{name}-off"]),
-                             MIN_STABLE_ITERATIONS)
+    on, off = completed(results[f"{name}-on"]), completed(results[f"{name}-off"])
+    allowed = {"identical", *STABLE_CHANGES.get(name, ())}
+    for rank in on["ranks"]:
+        stable = [row for row in rank["iterations"] if row["stage"] == "stable"]
+        assert {row["sequence_change_kind"] for row in stable} <= allowed, (rank["rank"], stable)
+    identical = {**on, "ranks": [{**rank, "iterations": [{**row, "sequence_change_kind": "identical"}
+                                                         if row["sequence_change_kind"] in allowed else row
+                                                         for row in rank["iterations"]]} for rank in on["ranks"]]}
+    assert_settled_in_stable(identical, off, MIN_STABLE_ITERATIONS)
+
+
+def test_an_fp16_overflow_in_stable_skips_the_step_and_stable_holds(results):
+    """Megatron's DynamicGradScaler: the scale grows back after the overflow of a trial and overflows again in
+    Stable. The skipped step is the same with and without Chameleon, bit for bit, and no rank leaves Stable (it
+    skips only optimizer ops, which the op signature marks as not mattering to swapping)."""
+    on, off = completed(results["tp2pp2-sp-llama-fp16-on"]), completed(results["tp2pp2-sp-llama-fp16-off"])
+    assert on["steps"] == off["steps"]
+    skipped = [i for i, step in enumerate(on["steps"]) if step["skipped"]]
+    scales = [step["loss_scale"] for step in on["steps"]]
+    for rank in on["ranks"]:
+        stages = [row["stage"] for row in rank["iterations"]]
+        first_stable = stages.index("stable")
+        assert any(i < first_stable for i in skipped) and any(first_stable < i < len(stages) - 1 for i in skipped), (
+            skipped, stages)
+        assert set(stages[first_stable:]) == {"stable"}
+        assert all(rank["iterations"][i]["passive_swaps"] == 0 for i in skipped if i >= first_stable)
+    overflow = max(skipped)
+    assert scales[overflow] > max(scales[:overflow]) and scales[overflow + 1] == scales[overflow] / 2, scales
+    assert on["layout"]["precision"] == "fp16" and on["layout"]["normalization"] == "RMSNorm"
+    assert (on["layout"]["position_embedding_type"], on["layout"]["swiglu"], on["layout"]["num_query_groups"]) == (
+        "rope", True, 2)
+
+
+def test_the_feature_layouts_report_what_they_ran(results):
+    bf16 = completed(results["tp2dp2-sp-distopt-bf16-on"])
+    assert {k: bf16["layout"][k] for k in ("tp", "dp", "sequence_parallel", "use_distributed_optimizer",
+                                           "overlap_grad_reduce", "overlap_param_gather", "precision", "optimizer")} == {
+        "tp": 2, "dp": 2, "sequence_parallel": True, "use_distributed_optimizer": True, "overlap_grad_reduce": True,
+        "overlap_param_gather": True, "precision": "bf16", "optimizer": "megatron"}
+    assert all(not step["skipped"] and step["loss_scale"] == 1.0 for step in bf16["steps"])
+    # the distributed optimizer: each data-parallel rank steps its own shard of the fp32 main parameters (hashed with
+    # the rank's parameters: the two data-parallel ranks of a tensor-parallel rank differ there only)
+    shards = {}
+    for rank in bf16["ranks"]:
+        shards.setdefault(rank["tp_rank"], set()).add(rank["params_sha256"])
+    assert all(len(hashes) == 2 for hashes in shards.values()), shards
+    ep = completed(results["ep2-moe-on"])
+    assert (ep["layout"]["expert_model_parallel_size"], ep["layout"]["num_experts"], ep["layout"]["dp"]) == (2, 4, 2)
+    assert "steps" not in ep and ep["layout"]["optimizer"] == "torch-adam"
 
 
 def test_a_rank_squeezed_mid_iteration_is_relieved_inside_the_op_and_the_job_trains_on(results):
