@@ -27,12 +27,6 @@ COMMON = ["--iterations", str(ITERATIONS), "--hidden-size", "64", "--seq-length"
           "--micro-batches", "4", "--chameleon-min-swap-bytes", "16KiB"]
 UNLIMITED = "4GB"
 
-LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
-         "--num-query-groups", "2", "--untie-embeddings-and-output-weights"]
-# fp16's dynamic loss scale doubles after every 2 good steps: it overflows in iteration 5 (a trial), grows back and
-# overflows again in iteration 10, in Stable (each overflow skips the step and halves the scale)
-LOSS_SCALE = ["--initial-loss-scale", "32768", "--loss-scale-window", "2", "--hysteresis", "1"]
-
 # name -> (world size, layout arguments, emulated capacity per rank: below the largest unswapped peak)
 LAYOUTS = {
     "tp2": (2, ["--tp", "2"], "8MB"),
@@ -48,9 +42,16 @@ LAYOUTS = {
     "tp2dp2-sp-distopt-bf16": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    "--use-distributed-optimizer", "--overlap-param-gather", "--bf16", "--num-layers", "2"],
                                "3MB"),  # unswapped peaks 4.2-4.3MB
+    # a Llama-style model; fp16's dynamic loss scale doubles after every 2 good steps: it overflows in iteration 5
+    # (a trial), grows back and overflows again in iteration 10, in Stable (each overflow skips the step, halves it)
     "tp2pp2-sp-llama-fp16": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                 "--sequence-parallel", "--num-layers", "2", *LLAMA, "--fp16", *LOSS_SCALE], "3.5MB"),
-    "ep2-moe": (2, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"], "12MB"),
+                                 "--sequence-parallel", "--num-layers", "2", "--position-embedding-type", "rope",
+                                 "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+                                 "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--fp16",
+                                 "--initial-loss-scale", "32768", "--loss-scale-window", "2", "--hysteresis", "1"],
+                             "3.5MB"),  # unswapped peaks 4.3MB / 2.7MB
+    "ep2-moe": (2, ["--expert-model-parallel-size", "2", "--num-experts", "4", "--num-layers", "2"],
+                "12MB"),  # unswapped peaks 18.4MB / 17.7MB
 }
 SIZES = {"MB": 10**6, "GB": 10**9}
 # Layouts trained long enough to reach the steady state users train in: 2 WarmUp and 5 trial iterations, then
