@@ -23,6 +23,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules  # noqa: E402
 from megatron.core.utils import GlobalMemoryBuffer  # noqa: E402
 
+from chameleon_dist.config.errors import ConfigError  # noqa: E402
 from chameleon_dist.config.megatron_args import add_megatron_args  # noqa: E402
 from chameleon_dist.device.meter import storage_key  # noqa: E402
 from chameleon_dist.integrations.megatron.install import RankOutOfMemoryError, install  # noqa: E402
@@ -245,3 +246,18 @@ def test_coordinates_validate_and_label():
     assert logging.getLogger("chameleon_dist.runtime").filter(record) and record.getMessage() == f"[{coordinates.label}] x 1"
     prefix.remove()
     assert prefix not in logging.getLogger("chameleon_dist.runtime").filters
+
+
+@pytest.mark.parametrize("setting, value, default, flag", [
+    ("context_parallel_size", 2, 1, "--context-parallel-size"), ("cuda_graph_impl", "local", "none", "--cuda-graph-impl"),
+    ("enable_cuda_graph", True, False, "--enable-cuda-graph")])
+def test_unsupported_megatron_features_are_refused_naming_the_flag(session, setting, value, default, flag):
+    model = _ddp(gpt.build_gpt(SHAPE, seed=SEED))
+    setattr(model.config, setting, value)
+    with pytest.raises(ConfigError, match=flag):
+        install([model], CONFIG)
+    assert upstream_original(schedules.forward_step) is schedules.forward_step  # nothing was installed
+    setattr(model.config, setting, default)
+    args = argparse.Namespace(context_parallel_size=2)
+    with pytest.raises(ConfigError, match="--context-parallel-size 2"):
+        install([model], args)

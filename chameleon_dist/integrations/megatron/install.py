@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chameleon_dist.config import ChameleonConfig
+from chameleon_dist.config.errors import ConfigError
 from chameleon_dist.config.megatron_args import config_from_megatron_args
 from chameleon_dist.device.base import Device
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu
@@ -207,6 +208,25 @@ class MegatronChameleon(HeldRuntime):
         return optimizer
 
 
+def unsupported_features(model_chunks: Sequence[nn.Module], args: Any = None) -> list[str]:
+    """What Chameleon refuses in these chunks' Megatron configs (or the parsed ``args``), one line per problem naming
+    the Megatron-LM flag: context parallelism (megatron-core runs it only in Transformer Engine's attention; untested
+    with Chameleon) and CUDA graphs (nothing can be swapped inside a capture)."""
+    configs = [getattr(_unwrapped(chunk), "config", None) for chunk in model_chunks]
+    sources = [c for c in [*configs, args] if c is not None]
+    problems = []
+    cp = max([int(getattr(c, "context_parallel_size", 1) or 1) for c in sources] + [1])
+    if cp > 1:
+        problems.append(f"--context-parallel-size {cp} (context_parallel_size) is not supported with Chameleon: "
+                        "megatron-core's context parallelism runs only in Transformer Engine's attention and is "
+                        "untested with swapping; use --context-parallel-size 1 (or --no-chameleon without install)")
+    if any(getattr(c, "enable_cuda_graph", False) or getattr(c, "external_cuda_graph", False)
+           or getattr(c, "cuda_graph_impl", "none") not in (None, "none") for c in sources):
+        problems.append("CUDA graphs (--cuda-graph-impl, --enable-cuda-graph, --external-cuda-graph) are not "
+                        "supported with Chameleon: nothing can be swapped inside a graph capture; turn them off")
+    return problems
+
+
 def _config(config: ChameleonConfig | dict | str | argparse.Namespace | None) -> ChameleonConfig | dict | str | None:
     return config_from_megatron_args(config) if isinstance(config, argparse.Namespace) else config
 
@@ -235,9 +255,13 @@ def install(
             without CUDA; with the CPU patches of ``cuda_on_cpu`` applied).
 
     Raises:
-        ConfigError: the config cannot be meant as written, or a chunk does not fit the device.
+        ConfigError: the config cannot be meant as written, a chunk does not fit the device, or the chunks use
+            what Chameleon does not support (``unsupported_features``: context parallelism, CUDA graphs).
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    problems = unsupported_features(chunks, config if isinstance(config, argparse.Namespace) else None)
+    if problems:
+        raise ConfigError(problems)
     coordinates = coordinates_of(chunks, process_groups)
     runtime = Chameleon(_config(config), device=device, coordinates=coordinates)
     track = getattr(runtime.device, "track", None)  # the emulated device counts what it did not see made
