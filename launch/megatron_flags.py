@@ -25,7 +25,6 @@ logger = logging.getLogger("train_megatron")
 DESCRIPTION = "Train a megatron-core GPT (or a Llama-style model) on synthetic tokens, with Chameleon on every rank."
 
 UNSUPPORTED: dict[str, str] = {
-    "--transformer-impl": "only megatron-core's local layers run here (Transformer Engine is CUDA-only)",
     "--enable-cuda-graph": "Chameleon cannot swap inside a CUDA-graph capture (its copies and releases are "
                            "decided while the iteration runs)",
     "--cuda-graph-impl": "Chameleon cannot swap inside a CUDA-graph capture",
@@ -61,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="Accepted for Megatron-LM scripts: the launcher always unties them (no first/last "
                               "stage embedding all-reduce).")
     network.add_argument("--disable-bias-linear", action="store_true", help="No biases in the linear layers.")
+    network.add_argument("--transformer-impl", type=_local_only, default="local",
+                         help="local only: megatron-core's own layers (Transformer Engine's are CUDA-only).")
     data = parser.add_argument_group("data and dataloader")
     data.add_argument("--seq-length", type=int, default=128)
     data.add_argument("--vocab-size", type=int, default=128, help="Synthetic tokens' vocabulary.")
@@ -138,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--squeeze-bytes", type=parse_size_bytes, default=0, metavar="SIZE")
     add_megatron_args(parser)
     return parser
+
+
+def _local_only(value: str) -> str:
+    if value != "local":
+        raise argparse.ArgumentTypeError(f"{value!r} is not supported: only 'local' (megatron-core's own layers) runs "
+                                         "here; Transformer Engine is CUDA-only and not used by this launcher")
+    return value
 
 
 def _unknown(extra: list[str]) -> str:

@@ -1,8 +1,14 @@
-"""Train a megatron-core GPT on synthetic tokens under tensor, pipeline (optionally interleaved) and data
-parallelism, with Chameleon installed on every rank. Start it with torchrun::
+"""Train a megatron-core GPT (or a Llama-style model) on synthetic tokens under tensor (with sequence), pipeline
+(optionally interleaved), data and expert parallelism, in fp32, bf16 or fp16, with Chameleon installed on every
+rank. Start it with torchrun::
 
     torchrun --nproc-per-node 4 -m launch.train_megatron --tp 2 --pp 2 --iterations 10 \\
         --chameleon-device-capacity 40MB --report runs/megatron_tp2pp2.json
+
+Its flags are Megatron-LM's (``launch/megatron_flags.py``: ``--tensor-model-parallel-size``, ``--sequence-parallel``,
+``--use-distributed-optimizer``, ``--bf16``, ...; the short forms ``--tp``, ``--pp``, ``--vpp``, ``--micro-batches``
+too). ``--bf16``, ``--fp16`` and ``--use-distributed-optimizer`` train through Megatron's optimizer; otherwise torch
+Adam steps the fp32 parameters.
 
 On a machine without CUDA it uses gloo, the opt-in CPU shims and one emulated device per rank (sized by
 ``--chameleon-device-capacity``); with CUDA, the rank's GPU, NCCL and the real device (gloo when ranks share

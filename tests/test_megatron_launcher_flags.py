@@ -78,12 +78,15 @@ def test_context_parallelism_is_refused_before_any_process_group(capsys, monkeyp
 
 
 def test_unknown_and_unsupported_megatron_flags_are_named_all_at_once(capsys):
-    message = _error(capsys, ["--tp", "1", "--use-flash-attn", "--transformer-impl", "transformer_engine",
-                              "--enable-cuda-graph", "--rotary-percent=0.5"])
-    for flag in ("--use-flash-attn", "--transformer-impl", "--enable-cuda-graph", "--rotary-percent"):
+    message = _error(capsys, ["--tp", "1", "--use-flash-attn", "--fp8-format", "hybrid", "--enable-cuda-graph",
+                              "--rotary-percent=0.5"])
+    for flag in ("--use-flash-attn", "--fp8-format", "--enable-cuda-graph", "--rotary-percent"):
         assert flag in message, message
     assert "CUDA-graph" in message and "Transformer Engine" in message, message
-    assert "transformer_engine" not in message.split("unknown")[-1]  # a flag's value is not named as a flag
+    assert "hybrid" not in message  # a flag's value is not named as a flag
+    assert parse_args(["--transformer-impl", "local"]).transformer_impl == "local"
+    message = _error(capsys, ["--transformer-impl", "transformer_engine"])
+    assert "--transformer-impl" in message and "Transformer Engine is CUDA-only" in message, message
 
 
 def test_sequence_parallel_without_tensor_parallelism_is_turned_off_as_megatron_does():
