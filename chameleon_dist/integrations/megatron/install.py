@@ -114,14 +114,14 @@ def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
     """What an optimizer holds besides the model's parameters (none for a torch optimizer over them): a Megatron
     optimizer's fp32 main parameters (this rank's shards under the distributed optimizer; views of the parameter
     buffer for fp32 parameters) and the state of the torch optimizers inside it (made by the first step)."""
-    if optimizer is None:
-        return []
     found: list[torch.Tensor] = []
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        stepped = getattr(inner, "optimizer", inner)  # a Megatron optimizer wraps a torch one
-        for group in getattr(stepped, "param_groups", ()):
+        stepped = getattr(inner, "optimizer", None)  # a Megatron optimizer wraps a torch one
+        if not isinstance(stepped, torch.optim.Optimizer):
+            continue  # (a torch optimizer steps the model's own parameters: protected with the model)
+        for group in stepped.param_groups:
             found += [p for p in group["params"] if isinstance(p, torch.Tensor)]
-        for state in getattr(stepped, "state", {}).values():
+        for state in stepped.state.values():
             found += [t for t in state.values() if isinstance(t, torch.Tensor)]
     return found
 
