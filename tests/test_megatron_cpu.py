@@ -146,6 +146,18 @@ def test_cuda_literals_mode_turns_cuda_into_cpu():
         assert made.cuda() is made
     assert made.device.type == moved.device.type == pinned.device.type == "cpu"
     assert moved.dtype == torch.float64
+    assert made.type() == "torch.FloatTensor"  # type names only on request
+
+
+def test_cuda_type_names_answer_what_megatrons_optimizers_compare():
+    half = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    with CudaLiteralsToCpu(cuda_type_names=True):
+        assert (half.type(), torch.zeros(1).type(), torch.zeros(1, dtype=torch.float16).type()) == (
+            "torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor", "torch.cuda.HalfTensor")
+        with CudaLiteralsToCpu(cuda_type_names=True):  # nested (a patched __init__ calling another)
+            assert half.type() == "torch.cuda.BFloat16Tensor"
+        assert half.type(torch.float32).dtype == torch.float32  # a conversion is not a name
+    assert half.type() == "torch.BFloat16Tensor"
 
 
 def test_import_chameleon_dist_imports_no_framework():
