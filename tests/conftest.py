@@ -5,10 +5,28 @@
 pytest's ``pythonpath = ["."]`` option (pyproject.toml) puts the repository root on ``sys.path`` however
 pytest is started (``pytest``, ``python -m pytest``, from any directory). Test files that
 also run as scripts run as modules from the root (``python -m tests.test_policy``), and tests that start a
-script start it the same way (``python -m launch.gpu_check``, cwd the root)."""
+script start it the same way (``python -m launch.gpu_check``, cwd the root).
+
+Every test runs with one intra-op thread (``_one_intra_op_thread``): the tests' models are tiny, and on the
+2-core machines CI uses a second thread costs more than it gives (the quick tier below took 5:07 with torch's
+default threads and 4:48 with one, 2026-12-01); the multi-rank jobs start their ranks with ``OMP_NUM_THREADS=1``
+already."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_intra_op_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # NOTE [The multi-rank tier]
 # Tests marked ``multirank`` start multi-rank jobs (torchrun-style process groups of 2-4 ranks, each importing
-# torch and a framework): about 3 of the suite's 8 minutes on a 2-core machine. The README's test command runs
-# them with the rest; ``pytest -m "not multirank"`` is the quick run (about 5 minutes).
+# torch and a framework): about 4 of the suite's 9.5 minutes on a 2-core machine. The README's test command
+# runs them with the rest; ``pytest -m "not multirank"`` is the quick run (under 5 minutes).
