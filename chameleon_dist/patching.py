@@ -94,6 +94,16 @@ class Patch:
         return getattr(self.make_replacement, "__module__", None) or "<unknown module>"
 
 
+def unbound_replacement(name: str, needs: str) -> Callable[[Any], Any]:
+    """A ``make_replacement`` for a ``Patch`` whose replacement must first be bound to an object (a runtime's
+    tracker, an adaptor): applying the record itself raises, saying what it ``needs``."""
+
+    def refuse(original: Any) -> Any:
+        raise RuntimeError(f"patch {name!r} needs {needs}")
+
+    return refuse
+
+
 def fingerprint_of(obj: Any) -> str:
     """A short sha256 of ``obj``'s source (or of its signature when it has no Python source; a mapping, such as
     a class's dispatch table, by the qualified names of its keys and values)."""

@@ -13,17 +13,14 @@ default threads and 4:48 with one, 2026-12-01); the multi-rank jobs start their 
 already."""
 
 import pytest
-import torch
+
+from tests.scenario_models import one_thread
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # NOTE [The multi-rank tier]

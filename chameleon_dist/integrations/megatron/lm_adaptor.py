@@ -58,9 +58,12 @@ from chameleon_dist.config.errors import ConfigError
 from chameleon_dist.config.megatron_args import CONFIG_DEST, OVERRIDES, add_megatron_args, chain_extra_args, \
     config_from_megatron_args
 from chameleon_dist.patching import InstanceChange, Patch, PatchRefused, PatchSet, apply_patches, upstream_original, \
-    verify_instance_changes, verify_patches
+    unbound_replacement, verify_instance_changes, verify_patches
 
 logger = logging.getLogger(__name__)
+
+_NEEDS = "an adaptor: use adapt() (or MegatronLMAdaptor(...).apply())"
+"""What this module's Patch records need before they apply (``unbound_replacement``)."""
 
 REVIEWED_TAG = "core_v0.16.1"
 REVIEWED_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
@@ -74,13 +77,6 @@ _REMOVE_WHEN = ("Megatron-LM's pretrain() takes a callback after the model and o
                 "wrapper")
 
 
-def _unbound(name: str) -> Callable[[Any], Any]:
-    def refuse(original: Any) -> Any:
-        raise RuntimeError(f"patch {name!r} needs an adaptor: use adapt() (or MegatronLMAdaptor(...).apply())")
-
-    return refuse
-
-
 PARSE_ARGS_ADDS_FLAGS = Patch(
     name="megatron-lm-parse-args-adds-chameleon-flags",
     target="megatron.training.initialize:parse_args",
@@ -91,7 +87,7 @@ PARSE_ARGS_ADDS_FLAGS = Patch(
          "and checks the --chameleon-* flags (values, CUDA graphs) before any process group exists."),
     remove_when=_REMOVE_WHEN,
     fingerprint="81ee542d990f51d2",
-    make_replacement=_unbound("megatron-lm-parse-args-adds-chameleon-flags"),
+    make_replacement=unbound_replacement("megatron-lm-parse-args-adds-chameleon-flags", _NEEDS),
 )
 
 SETUP_INSTALLS_RUNTIME = Patch(
@@ -104,7 +100,7 @@ SETUP_INSTALLS_RUNTIME = Patch(
          "the wrapper installs the rank's runtime on the chunks with the optimizer; else it returns untouched."),
     remove_when=_REMOVE_WHEN,
     fingerprint="60833c248314e8ad",
-    make_replacement=_unbound("megatron-lm-setup-installs-chameleon"),
+    make_replacement=unbound_replacement("megatron-lm-setup-installs-chameleon", _NEEDS),
 )
 
 FORWARD_BACKWARD_WRAPPED = Patch(
@@ -117,7 +113,7 @@ FORWARD_BACKWARD_WRAPPED = Patch(
          "of it (forward_only calls pass through), else the schedule itself."),
     remove_when=_REMOVE_WHEN,
     fingerprint="107cdfb6f221dc4f",
-    make_replacement=_unbound("megatron-lm-forward-backward-wrapped"),
+    make_replacement=unbound_replacement("megatron-lm-forward-backward-wrapped", _NEEDS),
 )
 
 LM_PATCHES: tuple[Patch, ...] = (PARSE_ARGS_ADDS_FLAGS, SETUP_INSTALLS_RUNTIME, FORWARD_BACKWARD_WRAPPED)

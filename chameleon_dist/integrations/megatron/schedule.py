@@ -29,10 +29,13 @@ from typing import Any, Callable
 
 import torch
 
-from chameleon_dist.patching import Patch
+from chameleon_dist.patching import Patch, unbound_replacement
 from chameleon_dist.profiler.scope import MicroBatchClock
 
 logger = logging.getLogger(__name__)
+
+_NEEDS = "a runtime's ScheduleTracker: apply schedule_patches(tracker)"
+"""What this module's Patch records need before they apply (``unbound_replacement``)."""
 
 _MEGATRON_VERSIONS = ">=0.16,<0.17"
 
@@ -128,13 +131,6 @@ def _get_tensor_replacement(original: Any, tracker: ScheduleTracker) -> Any:
     return get_tensor
 
 
-def _unbound(name: str) -> Callable[[Any], Any]:
-    def refuse(original: Any) -> Any:
-        raise RuntimeError(f"patch {name!r} needs a runtime's ScheduleTracker: apply schedule_patches(tracker)")
-
-    return refuse
-
-
 FORWARD_STEP_NAMES_MICRO_BATCH = Patch(
     name="megatron-forward-step-names-micro-batch",
     target="megatron.core.pipeline_parallel.schedules:forward_step",
@@ -147,7 +143,7 @@ FORWARD_STEP_NAMES_MICRO_BATCH = Patch(
     ),
     remove_when="Megatron-core offers a hook or callback per forward/backward step with its micro-batch",
     fingerprint="24c526af44458ac2",
-    make_replacement=_unbound("megatron-forward-step-names-micro-batch"),
+    make_replacement=unbound_replacement("megatron-forward-step-names-micro-batch", _NEEDS),
 )
 
 BACKWARD_STEP_NAMES_MICRO_BATCH = Patch(
@@ -161,7 +157,7 @@ BACKWARD_STEP_NAMES_MICRO_BATCH = Patch(
     ),
     remove_when="Megatron-core offers a hook or callback per forward/backward step with its micro-batch",
     fingerprint="6ac4aa596b1b6261",
-    make_replacement=_unbound("megatron-backward-step-names-micro-batch"),
+    make_replacement=unbound_replacement("megatron-backward-step-names-micro-batch", _NEEDS),
 )
 
 WORKSPACES_ARE_NEVER_SWAPPED = Patch(
@@ -176,7 +172,7 @@ WORKSPACES_ARE_NEVER_SWAPPED = Patch(
     ),
     remove_when="Megatron-core marks its shared workspaces in a way the saved-tensor hooks can read",
     fingerprint="9b215610fda2e661",
-    make_replacement=_unbound("megatron-workspaces-never-swapped"),
+    make_replacement=unbound_replacement("megatron-workspaces-never-swapped", _NEEDS),
 )
 
 SCHEDULE_PATCHES: tuple[Patch, ...] = (
