@@ -147,10 +147,6 @@ def test_a_toy_gpt_near_its_floor_is_stable_from_the_first_policy_on():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 27 item 3, not fixed yet: at 1.25x the floor on a 1 GB/s link the stages are "
-    "WWGGGGGSSWWGGGGGSWWGGGGG: a Stable recompute-first policy needs 9 passive swaps and restarts WarmUp "
-    "(then 11 under 'all'); GenPolicy trials need 7-20 passive swaps each"))
 def test_a_transformers_llama_with_its_cache_near_its_floor_is_stable_from_the_first_policy_on():
     _check("hf_llama")
 

@@ -290,6 +290,7 @@ def _place(ctx: Context, chosen: list[Candidate], variant: Variant) -> list[Plan
             planned[cand.storage_id] = Planned(
                 nbytes=cand.nbytes, decision=Decision.RECOMPUTE, last_forward_use=cand.last_forward_use,
                 first_backward_use=use, recompute_s=ctx.op_times_s[cand.created_at],
+                transient_bytes=_rebuild_transient_bytes(ctx.trace, cand),
             )
             for storage_id in cand.recompute_inputs:
                 if storage_id in needed_at:
@@ -341,3 +342,16 @@ def _recomputed(ctx: Context, chosen: list[Candidate], variant: Variant) -> set[
         recompute.add(c.storage_id)
         demand_s -= c.nbytes / rate
     return recompute
+
+
+def _rebuild_transient_bytes(trace: StepTrace, cand: Candidate) -> int:
+    """The bytes a rebuild of ``cand`` allocates besides ``cand`` itself: its producer's other outputs (a
+    replay computes every output; the executor keeps one and drops the rest), on the device during the
+    rebuild."""
+    own = {cand.storage_id}
+    other: dict[int, int] = {}
+    for t in trace.ops[cand.created_at].outputs:
+        storage_id = trace.tensors[t].storage_id
+        if storage_id not in own:
+            other[storage_id] = trace.storages[storage_id].nbytes
+    return sum(other.values())

@@ -21,7 +21,11 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
   measured, that restarts nothing (``Verdict.absorbed_passive_swaps``). A Stable peak over the budget but within
   the device's capacity tightens the policy in place (the shortfall added to the reduction the policy aims
   for, a new policy generated from the same trace, no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per
-  choice; only the next overshoot, or one above the capacity, sends the runtime back to WarmUp.
+  choice; only the next overshoot, or one above the capacity, sends the runtime back to WarmUp. Near the
+  floor (the capacity at most ``NEAR_FLOOR_FACTOR`` times the peak of swapping everything, which fitted), a
+  Stable policy slightly short (its passive swaps moved at most ``SLIGHTLY_SHORT_SHARE`` of the needed
+  reduction) is tightened in place by what passive swap moved, or, when no stricter policy is predicted,
+  replaced in place by swapping everything (issue 27): profiling again would only find the same policies.
 - **Shapes never seen before** (a longer sequence, a bigger batch: more bytes saved for backward than in
   the traced iteration) are handled by scaling first: when the chosen policy needs passive swaps or goes
   over the budget on such an iteration, a policy is generated from the same trace grown to the new size
@@ -72,6 +76,16 @@ STRICTER_SHARE = 0.1
 (the bytes passive swap moved, the peak over what it had to stay under), and by at least this share of
 the needed reduction (no-swap peak - budget) when it fails outside a trial (out of memory, Stable) or by an
 amount not known. A trial's known miss is added as measured: the trials go on, each narrower."""
+
+SLIGHTLY_SHORT_SHARE = 0.5
+"""Near the floor (issue 27, ``NEAR_FLOOR_FACTOR``): a Stable policy whose passive swaps moved at most this share of the needed
+reduction (no-swap peak - budget), where swapping everything fitted the capacity, is slightly short: it is
+tightened in place (or swaps everything in place when no stricter policy is predicted) rather than profiled
+again. More than that, the policy no longer describes the job."""
+
+NEAR_FLOOR_FACTOR = 1.5
+"""The capacity is near the floor when it is at most this many times the peak of swapping everything (there,
+policies predicted to fit are often slightly short, and swapping everything is the next stricter choice)."""
 
 MIN_SWAP_DIVISOR = 16
 """An out-of-memory retry with every eligible tensor swapped but smaller ones kept swaps smaller tensors
@@ -221,6 +235,16 @@ class PolicyController:
             return "", bool(outcome.passive_swaps), False
         if outcome.peak_bytes <= allowed and self._expected_passive_swaps(policy, outcome):
             return "", True, False  # the remainder of a policy predicted short, as its trials had
+        if (outcome.passive_swaps and not outcome.oom_retries and self._swap_all_fits()
+                and 0 < outcome.passive_swap_bytes <= SLIGHTLY_SHORT_SHARE * self._needed_bytes):
+            # near the floor: a policy slightly short where swapping everything fits is tightened in place by
+            # what passive swap moved (and the peak over what it must stay under), not profiled again
+            shortfall_bytes = max(outcome.passive_swap_bytes, outcome.peak_bytes - allowed, 1)
+            reason = (f"{outcome.passive_swaps} passive swap(s) ({format_bytes(outcome.passive_swap_bytes)}) under "
+                      f"policy {policy.name}")
+            if (self._tighten_in_place(policy, shortfall_bytes, reason, peak_within_capacity=True)
+                    or self._swap_all_in_place(reason)):
+                return "", True, True
         if outcome.peak_bytes > allowed:
             reason = (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
                       f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
@@ -268,11 +292,35 @@ class PolicyController:
         reserve_bytes = min(self.settings.budget_bytes, self.reserve_bytes + self._explore_bytes)
         return dataclasses.replace(self.settings, min_swap_bytes=self._min_swap_bytes, reserve_bytes=reserve_bytes)
 
-    def _tighten_in_place(self, policy: Policy, shortfall_bytes: int, reason: str) -> bool:
+    def _swap_all_fits(self) -> bool:
+        """Near the floor: the latest WarmUp iteration that swapped everything completed within the capacity
+        (the floor fits), and the capacity is at most ``NEAR_FLOOR_FACTOR`` times its peak."""
+        floor = self._swap_all_peak_bytes
+        return bool(floor) and self.capacity_bytes is not None and floor <= self.capacity_bytes <= NEAR_FLOOR_FACTOR * floor
+
+    def _swap_all_in_place(self, reason: str) -> bool:
+        """No stricter policy is predicted for a chosen policy slightly short, but swapping every eligible
+        tensor fitted the capacity in WarmUp (the floor fits): swap everything in Stable, in place, rather
+        than profile again (the next stricter choice; the trace is the same). False when the floor does not
+        fit or there is no policy to leave."""
+        if self.chosen is None or not self._swap_all_fits():
+            return False
+        logger.info("%s; no stricter policy is predicted, and swapping every eligible tensor peaked at %s within "
+                    "the capacity: swapping everything in place (v%d)", reason,
+                    format_bytes(self._swap_all_peak_bytes), self.version + 1)
+        self.chosen = None
+        self.version += 1
+        self._in_place_left = 0
+        return True
+
+    def _tighten_in_place(self, policy: Policy, shortfall_bytes: int, reason: str,
+                          peak_within_capacity: bool = False) -> bool:
         """A Stable overshoot within the capacity: a stricter policy from the same trace, without trials.
         False when it cannot be absorbed (over the capacity, out of tightenings, no policy predicted to
-        fit or at least lower than ``policy``)."""
-        within_capacity = self.capacity_bytes is None or self.allowed_peak_bytes + shortfall_bytes <= self.capacity_bytes
+        fit or at least lower than ``policy``). ``peak_within_capacity``: the shortfall is what passive swap
+        moved in an iteration that completed within the capacity (not a peak over it)."""
+        within_capacity = (peak_within_capacity or self.capacity_bytes is None
+                           or self.allowed_peak_bytes + shortfall_bytes <= self.capacity_bytes)
         if not within_capacity or self._in_place_left <= 0 or self._trace is None or policy is not self.chosen:
             return False
         step_bytes = max(1, 2 ** (MAX_IN_PLACE_TIGHTENINGS - self._in_place_left) * shortfall_bytes)

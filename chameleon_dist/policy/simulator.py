@@ -11,7 +11,8 @@ The compute stream runs the trace's ops in order, each taking its estimated dura
   first backward use comes before the copy finished, compute waits (stall). A swap-in whose swap-out was
   not released yet copies nothing: the data never left the device;
 - a recomputed tensor is freed after its last forward use and rebuilt just before its first backward
-  use, costing its producer's time.
+  use, costing its producer's time; the producer's other outputs (``transient_bytes``) are on the device
+  during that op too (the rebuild allocates them, then drops them).
 
 Memory is the trace's no-swap curve minus the bytes that are off the device after each op.
 """
@@ -35,6 +36,7 @@ class Planned:
     swap_out_at: int = -1  # swap-out issued at the end of this op (SWAP)
     swap_in_at: int = -1  # swap-in issued at the start of this op (SWAP); -1: on demand at first use
     recompute_s: float = 0.0  # RECOMPUTE: the producer's time
+    transient_bytes: int = 0  # RECOMPUTE: the producer's other outputs, alive during the rebuild only
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +93,7 @@ def simulate(
             outcomes[k].release_at = p.last_forward_use
         use_at.setdefault(p.first_backward_use, []).append(k)
     delta = [0] * (n + 1)
+    transient = [0] * n  # bytes on the device during one op only (a rebuild's other outputs)
     t = stall = recompute = 0.0
     d2h_free = h2d_free = 0.0
     pending: list[tuple[float, int]] = []
@@ -112,6 +115,7 @@ def simulate(
                 recompute += p.recompute_s
                 delta[o.release_at + 1] -= p.nbytes
                 delta[i] += p.nbytes
+                transient[i] += p.transient_bytes
             elif o.released and o.in_done_s > t:
                 o.stall_s = o.in_done_s - t
                 stall += o.stall_s
@@ -133,7 +137,7 @@ def simulate(
     peak, peak_op = -1, -1
     for i in range(n):
         running += delta[i]
-        live = base_curve[i] + running
+        live = base_curve[i] + running + transient[i]
         curve.append(live)
         if live > peak:
             peak, peak_op = live, i
