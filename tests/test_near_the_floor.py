@@ -24,10 +24,13 @@ from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.policy.model import Decision
+from chameleon_dist.policy.simulator import Planned, simulate
 from launch.toy_gpt import GPT
 from tests.scenario_models import bits_equal, one_thread
 
 ITERATIONS = 24
+WARMUP, TRIALS = 2, 5  # the profiler's defaults: the first policy is chosen after these iterations
 FLOOR_FACTOR = 1.25  # the capacity, of the swap floor
 LINK_BYTES_PER_S = 1e9
 UNBOUNDED_BYTES = 2**40
@@ -122,7 +125,7 @@ def _check(case: str) -> None:
     summary = _summary(case, swapped, capacity, floor)
     stages = _stages(swapped)
     first = stages.find("S")
-    assert first >= 0, summary
+    assert first == WARMUP + TRIALS, summary  # the first policy chosen, and no restart before it
     assert set(stages[first:]) == {"S"}, summary  # Stable from the first policy on
     assert all(r.oom_retries == 0 for r in swapped.reports), summary
     assert all(not r.failed for r in swapped.reports), summary
@@ -149,6 +152,15 @@ def test_a_toy_gpt_near_its_floor_is_stable_from_the_first_policy_on():
 @pytest.mark.slow
 def test_a_transformers_llama_with_its_cache_near_its_floor_is_stable_from_the_first_policy_on():
     _check("hf_llama")
+
+
+def test_a_rebuild_counts_its_producers_other_outputs_at_the_op_it_runs_before():
+    """The simulator's side of item 3: a recomputed tensor's producer replays every output, so its other
+    outputs are on the device during the op the rebuild runs before (and gone after)."""
+    p = Planned(3, Decision.RECOMPUTE, last_forward_use=0, first_backward_use=3, recompute_s=0.5, transient_bytes=2)
+    sim = simulate([9, 9, 9, 9, 9], [1.0] * 5, [p], 1.0, 1.0)
+    assert sim.curve == [9, 6, 6, 11, 9]
+    assert sim.peak_bytes == 11 and sim.peak_op == 3
 
 
 if __name__ == "__main__":
