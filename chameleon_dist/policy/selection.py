@@ -26,6 +26,8 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
   Stable policy slightly short (its passive swaps moved at most ``SLIGHTLY_SHORT_SHARE`` of the needed
   reduction) is tightened in place by what passive swap moved, or, when no stricter policy is predicted,
   replaced in place by swapping everything (issue 27): profiling again would only find the same policies.
+  A peak over the budget near the floor for which no stricter policy is predicted swaps everything in place
+  too.
 - **Shapes never seen before** (a longer sequence, a bigger batch: more bytes saved for backward than in
   the traced iteration) are handled by scaling first: when the chosen policy needs passive swaps or goes
   over the budget on such an iteration, a policy is generated from the same trace grown to the new size
@@ -138,6 +140,7 @@ class PolicyController:
         self._scaled_for = 1.0  # the chosen policy is made for this many times the trace's saved bytes
         self._trace_saved_bytes: dict[int, int] = {}  # saved bytes of the profiled iteration, by iteration
         self._in_place_left = 0  # in-place tightenings the chosen policy may still take
+        self._no_stricter_policy = False  # the last in-place tightening found no policy predicted lower
         self._trace: StepTrace | None = None  # what the latest generation worked from (compute-only times)
         self._min_swap_bytes = settings.min_swap_bytes  # ... and with
         self._regenerate = False  # trial feedback asks for new policies before the next trial
@@ -248,7 +251,9 @@ class PolicyController:
         if outcome.peak_bytes > allowed:
             reason = (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
                       f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
-            if outcome.passive_swaps or not self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason):
+            if outcome.passive_swaps or not (
+                    self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason)
+                    or (self._no_stricter_policy and self._swap_all_in_place(reason))):
                 return reason, absorbed, False
             return "", absorbed, True
         return "", absorbed, False
@@ -321,13 +326,15 @@ class PolicyController:
         moved in an iteration that completed within the capacity (not a peak over it)."""
         within_capacity = (peak_within_capacity or self.capacity_bytes is None
                            or self.allowed_peak_bytes + shortfall_bytes <= self.capacity_bytes)
+        self._no_stricter_policy = False
         if not within_capacity or self._in_place_left <= 0 or self._trace is None or policy is not self.chosen:
             return False
         step_bytes = max(1, 2 ** (MAX_IN_PLACE_TIGHTENINGS - self._in_place_left) * shortfall_bytes)
         stricter, reserve_bytes = stricter_than(policy, self._trace, self._scaled_for, self._settings_now(), step_bytes)
         self.reserve_bytes = reserve_bytes - self._explore_bytes
         if not stricter:
-            logger.info("%s; no stricter policy is predicted: profiling again", reason)
+            self._no_stricter_policy = True
+            logger.info("%s; no stricter policy is predicted", reason)
             return False
         best = fastest_fitting_else_lowest(stricter)
         self._in_place_left -= 1
