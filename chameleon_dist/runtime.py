@@ -352,7 +352,7 @@ class Chameleon:
                 optimizer.zero_grad(set_to_none=True)
                 loss = chameleon.run_iteration(lambda: train_step(model, batch), optimizer=optimizer)
         """
-        retries = self.config.executor.max_oom_retries if self.config.enabled else 0
+        retries = self._retries()
         gradients = GradientSnapshot(self._retry_parameters(optimizer), self.device) if retries else None
         with self.iteration(), contextlib.closing(gradients) if retries else contextlib.nullcontext():
             random_state = RandomState(self.device)
@@ -394,7 +394,7 @@ class Chameleon:
         """
         if self._running is None:
             raise RuntimeError("Chameleon.retry_out_of_memory runs inside an open iteration: enter iteration() first")
-        retries = self.config.executor.max_oom_retries if self.config.enabled else 0
+        retries = self._retries()
         for attempt_number in range(retries + 1):
             try:
                 return attempt()
@@ -413,6 +413,10 @@ class Chameleon:
             reset()
             self._recover(reason)
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _retries(self) -> int:
+        """How many times an iteration that ran out of memory runs again (never when disabled)."""
+        return self.config.executor.max_oom_retries if self.config.enabled else 0
 
     def _retry_parameters(self, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
         parameters = [p for model in self._models for p in model.parameters()]

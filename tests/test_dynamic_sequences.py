@@ -25,7 +25,10 @@ from torch.nn import functional as F
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from launch.toy_gpt import GPT
-from tests.scenario_models import bits_equal, one_thread
+from tests.scenario_models import one_thread
+from tests.trained_runs import Trained
+from tests.trained_runs import assert_bit_identical as _assert_bit_identical
+from tests.trained_runs import stages as _stages
 
 WARMUP, TRIALS = 2, 5  # the profiler's defaults
 VOCAB = 128
@@ -38,14 +41,6 @@ class Case:
     make_model: Callable[[], torch.nn.Module]
     micro_batches: Callable[[int], list[tuple[int, int]]]  # iteration -> (batch, length) per micro-batch
     iterations: int
-
-
-@dataclasses.dataclass
-class Trained:
-    losses: list[torch.Tensor]
-    grads: list[list[torch.Tensor | None]]
-    parameters: list[torch.Tensor]
-    reports: list
 
 
 def _tokens(iteration: int, micro_batch: int, batch: int, length: int) -> torch.Tensor:
@@ -80,18 +75,6 @@ def _train(case: Case, config: dict | None, capacity_bytes: int = UNBOUNDED_BYTE
         trained.reports.append(chameleon.last_report)
     trained.parameters = [p.detach().clone() for p in model.parameters()]
     return trained
-
-
-def _assert_bit_identical(swapped: Trained, plain: Trained) -> None:
-    for i, (a, b) in enumerate(zip(swapped.losses, plain.losses), start=1):
-        assert bits_equal(a, b), f"loss of iteration {i} differs"
-    for i, (ga, gb) in enumerate(zip(swapped.grads, plain.grads), start=1):
-        assert all(bits_equal(x, y) for x, y in zip(ga, gb)), f"a gradient of iteration {i} differs"
-    assert all(bits_equal(x, y) for x, y in zip(swapped.parameters, plain.parameters))
-
-
-def _stages(trained: Trained) -> str:
-    return "".join({"warmup": "W", "gen_policy": "G", "stable": "S"}[r.stage] for r in trained.reports)
 
 
 def _run_at_half_capacity(case: Case, config: dict | None = None) -> tuple[Trained, Trained, int]:

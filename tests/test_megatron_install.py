@@ -6,7 +6,6 @@ layouts are in test_megatron_ranks.py."""
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 
 import pytest
@@ -24,6 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.utils import GlobalMemoryBuffer  # noqa: E402
 
 from chameleon_dist.config.errors import ConfigError  # noqa: E402
+from tests.megatron_steps import forward_step as _forward_step  # noqa: E402
 from chameleon_dist.config.megatron_args import add_megatron_args  # noqa: E402
 from chameleon_dist.device.meter import storage_key  # noqa: E402
 from chameleon_dist.integrations.megatron.install import RankOutOfMemoryError, install  # noqa: E402
@@ -36,17 +36,6 @@ SEED = 7
 SHAPE = TransformerShape(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_length=32,
                          micro_batch_size=2)
 CONFIG = {"device": {"kind": "emulated", "capacity": "1GB"}, "min_swap_bytes": "1KiB"}
-
-
-def _loss(mask, per_token):
-    loss = (per_token.float() * mask).sum() / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-    return output, functools.partial(_loss, batch["loss_mask"])
 
 
 def _ddp(model):

@@ -10,7 +10,6 @@ end run Megatron-LM itself and are skipped where ``megatron.training`` is not im
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import importlib.util
 import sys
@@ -25,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func, schedules  # noqa: E402
 
 from chameleon_dist.config.errors import ConfigError  # noqa: E402
+from tests.megatron_steps import forward_step as _forward_step  # noqa: E402
 from chameleon_dist.integrations.megatron import lm_adaptor  # noqa: E402
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu  # noqa: E402
 from chameleon_dist.models import TransformerShape  # noqa: E402
@@ -217,17 +217,6 @@ def _batches(first_step: int):
     while True:
         yield gpt.synthetic_batch(SHAPE, step, SEED)
         step += 1
-
-
-def _loss(mask, per_token):
-    loss = (per_token.float() * mask).sum() / mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-    return output, functools.partial(_loss, batch["loss_mask"])
 
 
 def _pretrain(fake, monkeypatch, flags, extra_args_provider=None) -> dict:

@@ -15,7 +15,6 @@ device while the output lives), skipped without transformers.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import pytest
@@ -27,7 +26,9 @@ from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.policy.model import Decision
 from chameleon_dist.policy.simulator import Planned, simulate
 from launch.toy_gpt import GPT
-from tests.scenario_models import bits_equal, one_thread
+from tests.scenario_models import one_thread
+from tests.trained_runs import Trained, assert_bit_identical
+from tests.trained_runs import stages as _stages
 
 ITERATIONS = 24
 WARMUP, TRIALS = 2, 5  # the profiler's defaults: the first policy is chosen after these iterations
@@ -36,14 +37,6 @@ LINK_BYTES_PER_S = 1e9
 UNBOUNDED_BYTES = 2**40
 SWAP_ALL = {"profiler": {"warmup_iterations": 0}, "min_swap_bytes": 0}  # no trace, no policy: swap everything
 VOCAB = 128
-
-
-@dataclasses.dataclass
-class Trained:
-    losses: list[torch.Tensor]
-    grads: list[list[torch.Tensor | None]]
-    parameters: list[torch.Tensor]
-    reports: list
 
 
 def _device(capacity_bytes: int) -> EmulatedDevice:
@@ -100,10 +93,6 @@ def _train(case: str, config: dict, capacity_bytes: int = UNBOUNDED_BYTES, itera
     return trained
 
 
-def _stages(trained: Trained) -> str:
-    return "".join({"warmup": "W", "gen_policy": "G", "stable": "S"}[r.stage] for r in trained.reports)
-
-
 def _run_near_the_floor(case: str, factor: float = FLOOR_FACTOR) -> tuple[Trained, Trained, int, int]:
     plain = _train(case, {"enabled": False})
     floor = max(r.peak_device_bytes for r in _train(case, SWAP_ALL, iterations=2).reports)
@@ -132,11 +121,7 @@ def _check(case: str, factor: float = FLOOR_FACTOR) -> None:
     stable = [r for r in swapped.reports if r.stage == "stable"]
     assert sum(r.passive_swaps for r in stable) <= len(stable), summary
     assert max(r.peak_device_bytes for r in swapped.reports) <= capacity, summary
-    for i, (a, b) in enumerate(zip(swapped.losses, plain.losses), start=1):
-        assert bits_equal(a, b), f"loss of iteration {i} differs"
-    for i, (ga, gb) in enumerate(zip(swapped.grads, plain.grads), start=1):
-        assert all(bits_equal(x, y) for x, y in zip(ga, gb)), f"a gradient of iteration {i} differs"
-    assert all(bits_equal(x, y) for x, y in zip(swapped.parameters, plain.parameters))
+    assert_bit_identical(swapped, plain)
 
 
 @pytest.fixture(autouse=True, scope="module")
