@@ -21,13 +21,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.policy.model import Decision
 from chameleon_dist.policy.simulator import Planned, simulate
 from launch.toy_gpt import GPT
 from tests.scenario_models import one_thread
-from tests.trained_runs import Trained, assert_bit_identical
+from tests.trained_runs import Trained, assert_bit_identical, train
 from tests.trained_runs import stages as _stages
 
 ITERATIONS = 24
@@ -76,21 +75,11 @@ CASES = {"toy_gpt": (_toy_gpt, (4, 64)), "hf_llama": (_hf_llama, (4, 128))}
 
 def _train(case: str, config: dict, capacity_bytes: int = UNBOUNDED_BYTES, iterations: int = ITERATIONS) -> Trained:
     make, (batch, length) = CASES[case]
-    torch.manual_seed(0)
-    model, forward_backward = make()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    chameleon = Chameleon(config, device=_device(capacity_bytes))
-    chameleon.attach(model)
-    trained = Trained([], [], [], [])
-    for i in range(1, iterations + 1):
-        tokens = torch.randint(0, VOCAB, (batch, length + 1), generator=torch.Generator().manual_seed(1000 + i))
 
-        optimizer.zero_grad(set_to_none=True)
-        trained.losses.append(chameleon.run_iteration(lambda: forward_backward(tokens), optimizer=optimizer))
-        trained.grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
-        trained.reports.append(chameleon.last_report)
-    trained.parameters = [p.detach().clone() for p in model.parameters()]
-    return trained
+    def tokens(i: int) -> torch.Tensor:
+        return torch.randint(0, VOCAB, (batch, length + 1), generator=torch.Generator().manual_seed(1000 + i))
+
+    return train(make, tokens, config, _device(capacity_bytes), iterations)
 
 
 def _run_near_the_floor(case: str, factor: float = FLOOR_FACTOR) -> tuple[Trained, Trained, int, int]:

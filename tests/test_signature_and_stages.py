@@ -62,6 +62,20 @@ def test_more_ops_and_more_saved_bytes_is_a_new_program():
     assert small.differs and not small.changed and small.kind == ChangeKind.ABSORBED
 
 
+def test_a_new_length_under_moe_routing_is_rescaled_not_a_new_program():
+    """Issue 27: a longer sequence under top-1 routing moves every saved size (+50%) but only the expert loop's
+    ops (+10%: more experts got tokens); another micro-batch moves both alike (+50%, +50%: a new program)."""
+    expert = list(range(10, 20))
+    reference = _sig(list(range(10)) + expert * 8 + list(range(20, 30)), [64] * 20)
+    longer = _sig(list(range(10)) + expert * 9 + list(range(20, 30)), [96] * 20)
+    comparison = compare(longer, reference, 0.05, 0.95)
+    assert comparison.length_change > 0.05 and comparison.saved_bytes_change == pytest.approx(0.5)
+    assert comparison.kind == ChangeKind.RESCALED and not comparison.changed, comparison.reason
+    another_micro_batch = _sig((list(range(10)) + expert * 8 + list(range(20, 30))) * 3, [64] * 30)
+    doubled = _sig((list(range(10)) + expert * 8 + list(range(20, 30))) * 2, [64] * 20)
+    assert compare(another_micro_batch, doubled, 0.05, 0.95).changed
+
+
 def test_more_ops_on_the_same_data_is_rerouting():
     """Experts that got no token skip their ops; the tokens (hence the saved bytes) stay."""
     expert = list(range(10, 20))

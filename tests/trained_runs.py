@@ -1,11 +1,16 @@
-"""What the single-rank training tests record of a run (``Trained``) and how they compare two runs: the stage
-letters of its reports and bit-identity of every loss, gradient and final parameter."""
+"""What the single-rank training tests record of a run (``Trained``), the loop that records it (``train``), and
+how they compare two runs: the stage letters of its reports and bit-identity of every loss, gradient and final
+parameter."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
+
+from chameleon_dist import Chameleon
+from chameleon_dist.device.emulated import EmulatedDevice
 
 from tests.scenario_models import bits_equal
 
@@ -16,6 +21,29 @@ class Trained:
     grads: list[list[torch.Tensor | None]]
     parameters: list[torch.Tensor]
     reports: list
+
+
+ForwardBackward = Callable[[torch.Tensor], torch.Tensor]  # one iteration's batch -> its detached loss, after backward
+
+
+def train(make: Callable[[], tuple[torch.nn.Module, ForwardBackward]], batch: Callable[[int], torch.Tensor],
+          config: dict, device: EmulatedDevice, iterations: int) -> Trained:
+    """``iterations`` SGD steps of the model ``make`` builds (seeded 0) under ``Chameleon(config, device)``, on
+    ``batch(i)`` in iteration ``i`` (from 1), recording every loss, gradient and report."""
+    torch.manual_seed(0)
+    model, forward_backward = make()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    chameleon = Chameleon(config, device=device)
+    chameleon.attach(model)
+    trained = Trained([], [], [], [])
+    for i in range(1, iterations + 1):
+        tokens = batch(i)
+        optimizer.zero_grad(set_to_none=True)
+        trained.losses.append(chameleon.run_iteration(lambda: forward_backward(tokens), optimizer=optimizer))
+        trained.grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        trained.reports.append(chameleon.last_report)
+    trained.parameters = [p.detach().clone() for p in model.parameters()]
+    return trained
 
 
 def stages(trained: Trained) -> str:

@@ -17,11 +17,14 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
 - **Stable** applies the fastest policy that held with headroom: its measured peak at least the largest
   move of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must
   stay under; or swaps everything, when that was measured faster than every policy that held (the last
-  resort). A policy predicted short passive-swaps in Stable by design: as long as about what its trials
+  resort; also when no trial held and swapping everything held in WarmUp without passive swap). A policy
+  predicted short passive-swaps in Stable by design: as long as about what its trials
   measured, that restarts nothing (``Verdict.absorbed_passive_swaps``). A Stable peak over the budget but within
   the device's capacity tightens the policy in place (the shortfall added to the reduction the policy aims
   for, a new policy generated from the same trace, no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per
-  choice; only the next overshoot, or one above the capacity, sends the runtime back to WarmUp. Near the
+  choice; after those, an overshoot within the capacity with nothing passively swapped is variance (routing,
+  lengths: issue 27) and the policy is kept; one above the capacity, or with no capacity known, sends the
+  runtime back to WarmUp. Near the
   floor (the capacity at most ``NEAR_FLOOR_FACTOR`` times the peak of swapping everything, which fitted), a
   Stable policy slightly short (its passive swaps moved at most ``SLIGHTLY_SHORT_SHARE`` of the needed
   reduction) is tightened in place by what passive swap moved, or, when no stricter policy is predicted,
@@ -149,6 +152,7 @@ class PolicyController:
         self._warmup_unsafe = False  # the chosen policy needed passive swaps or a retry in WarmUp
         self._swap_all_peak_bytes = 0  # peak of the latest WarmUp iteration that swapped everything
         self._swap_all_iteration_s: float | None = None  # ... its time (any stage), since the latest WarmUp began
+        self._swap_all_held = False  # ... and it needed no passive swap
         self._trace_stall_s: dict[int, float] = {}  # stall of the profiled iteration, by iteration
 
     # ---- read API ---------------------------------------------------------------------------
@@ -225,6 +229,8 @@ class PolicyController:
             self._swap_all_iteration_s = outcome.iteration_s
             if outcome.stage == Stage.WARMUP:
                 self._swap_all_peak_bytes = outcome.peak_bytes
+        if policy is None and outcome.stage == Stage.WARMUP:
+            self._swap_all_held = not (outcome.oom_retries or outcome.passive_swaps)
         if outcome.stage == Stage.WARMUP:  # the chosen policy is kept in WarmUp only while it holds as expected
             self._warmup_unsafe = bool(policy is not None and (outcome.oom_retries or (
                 outcome.passive_swaps and not self._expected_passive_swaps(policy, outcome))))
@@ -251,11 +257,18 @@ class PolicyController:
         if outcome.peak_bytes > allowed:
             reason = (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
                       f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
-            if outcome.passive_swaps or not (
-                    self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason)
-                    or (self._no_stricter_policy and self._swap_all_in_place(reason))):
+            if outcome.passive_swaps:
                 return reason, absorbed, False
-            return "", absorbed, True
+            if (self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason)
+                    or (self._no_stricter_policy and self._swap_all_in_place(reason))):
+                return "", absorbed, True
+            if self.capacity_bytes is not None and outcome.peak_bytes <= self.capacity_bytes:
+                # variance (routing, lengths) the in-place tightenings did not remove, with nothing passively
+                # swapped and the capacity held: not a new program, so profiling again would find the same
+                logger.info("%s, within the capacity %s and with no passive swap: policy %s kept", reason,
+                            format_bytes(self.capacity_bytes), policy.name)
+                return "", absorbed, False
+            return reason, absorbed, False
         return "", absorbed, False
 
     def _expected_passive_swaps(self, policy: Policy, outcome: IterationOutcome) -> bool:
@@ -438,13 +451,15 @@ class PolicyController:
         if not self.results:
             return
         choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s)
-        if choice.best is None and not choice.swap_all_faster and self._choose_untried():
+        if choice.best is None and not choice.swap_all_faster and not self._swap_all_held and self._choose_untried():
             return
         if choice.best is None:
             logger.warning("%s; swapping every eligible tensor until the next policy", (
                 f"swapping everything was measured faster ({self._swap_all_iteration_s * 1e3:.1f} ms/iteration) than "
                 f"every policy that held" if choice.swap_all_faster else f"none of {len(self.results)} policy trials "
-                "held the memory budget (lower memory_budget or min_swap_bytes if this repeats)"))
+                "held the memory budget" + (", and swapping everything held in WarmUp without passive swap"
+                                            if self._swap_all_held else "")
+                + " (lower memory_budget or min_swap_bytes if this repeats)"))
             return
         best = choice.best
         # policies without trials (in place, grown shapes) start from what the chosen one aimed for

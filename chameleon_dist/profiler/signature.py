@@ -14,10 +14,12 @@ a different program does), and the relative change of the bytes saved for backwa
 
 - **changed** (a new program, re-planning follows): the profile cosine is below
   ``cosine_threshold``, or the number of ops *and* the saved bytes both changed by at least
-  ``length_change`` (more or less work on more or less data: an added branch, another micro-batch);
+  ``length_change``, the ops by at least ``ROUTING_SHARE`` of the bytes' change (more or less work on more
+  or less data: an added branch, another micro-batch);
 - **rescaled**: the saved bytes changed by at least ``length_change`` with the same ops (a sequence length
-  or batch size change): the policy applies to the new sizes, and only a policy that stops holding makes
-  the runtime profile again;
+  or batch size change), or with the number of ops changed by less than ``ROUTING_SHARE`` of that (a new
+  length under MoE routing: only the expert loop's ops move): the policy applies to the new sizes, and only
+  a policy that stops holding makes the runtime profile again;
 - **rerouted**: the number of ops changed by at least ``length_change`` with the same saved bytes (the
   same data split differently: experts that got no token did not run);
 - **absorbed**: any smaller difference (an op, its order, an ``~op``, a saved size);
@@ -203,6 +205,13 @@ def pair_profile_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(x @ y) / float(x.norm() * y.norm())
 
 
+ROUTING_SHARE = 0.5
+"""When the number of ops and the saved bytes both changed by at least ``length_change`` but the ops by less
+than this share of the bytes' change, the iteration is ``rescaled``, not ``changed``: more work on more data
+(another micro-batch, an added branch) moves both alike, while a new sequence length under MoE routing moves
+the bytes and only the expert loop's ops (issue 27)."""
+
+
 def _relative(new: float, old: float) -> float:
     if old == 0:
         return 0.0 if new == 0 else 1.0
@@ -223,6 +232,10 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
     if cosine < cosine_threshold:
         kind = ChangeKind.CHANGED
         reason = f"op-pair cosine {cosine:.3f} < profiler.cosine_threshold {cosine_threshold} ({measured})"
+    elif more_ops and more_bytes and length < ROUTING_SHARE * saved:
+        kind = ChangeKind.RESCALED
+        reason = (f"other sizes, rerouted: bytes saved for backward changed by {saved:.1%}, the number of ops by "
+                  f"only {length:.1%} (routing and shape, not more work)")
     elif more_ops and more_bytes:
         kind = ChangeKind.CHANGED
         reason = (f"the number of ops ({length:.1%}) and the bytes saved for backward ({saved:.1%}) both changed "
