@@ -272,26 +272,3 @@ def test_a_grown_trace_grows_what_the_iteration_allocated_and_nothing_else():
     assert max(more) > max(base) and all(m >= b for m, b in zip(more, base))
     assert max(more) - trace.start_live_bytes <= 1.5 * (max(base) - trace.start_live_bytes) + 1
     assert grown(trace, 1.0) is trace
-
-
-def _none_held(swap_all_passive_swaps: int) -> PolicyController:
-    """Trials that all needed passive swaps under policies predicted to fit (none held), after a WarmUp that
-    swapped everything with ``swap_all_passive_swaps``; then the move to Stable."""
-    controller, _ = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + 8 * MIB, trial_peaks_mib=())
-    warmup = dataclasses.replace(_outcome(Stage.WARMUP, None, 0), peak_bytes=JOB_BUDGET - MIB,
-                                 passive_swaps=swap_all_passive_swaps, iteration=2)
-    controller.record(warmup)
-    controller.results = []
-    for policy in controller.candidates[:3]:
-        controller.record(dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_bytes=JOB_BUDGET - MIB,
-                                              passive_swaps=3, passive_swap_bytes=MIB))
-    assert not any(r.held for r in controller.results)
-    controller.follow(Transition(Stage.GEN_POLICY, Stage.STABLE, TransitionCause.TRIALS_DONE, ""), warmup)
-    return controller
-
-
-def test_when_no_trial_held_but_swapping_everything_did_stable_swaps_everything():
-    """(Issue 27: before, an untried policy was chosen, which went back to WarmUp on its first passive swap,
-    WWGGGGGSWWGGGGGS... on a grouped-experts Mixtral on a slow link.)"""
-    assert _none_held(swap_all_passive_swaps=0).chosen is None
-    assert _none_held(swap_all_passive_swaps=2).chosen is not None, "swapping everything did not hold either"

@@ -99,6 +99,30 @@ def test_a_policy_predicted_short_that_ran_out_of_memory_does_not_end_the_polici
     assert controller.policy_for(Stage.GEN_POLICY, trace, MIB) is not None
 
 
+def _none_held(swap_all_passive_swaps: int) -> PolicyController:
+    """None predicted to fit (a slow link), and every trial went over the budget with passive swaps (none
+    held), after a WarmUp that swapped everything with ``swap_all_passive_swaps``; then the move to Stable."""
+    controller, trace, closest = _generated(SLOW_LINK_BYTES_PER_S)
+    warmup = dataclasses.replace(_trial(None, stage=Stage.WARMUP), iteration=9, peak_bytes=BUDGET_BYTES - MIB,
+                                 passive_swaps=swap_all_passive_swaps)
+    controller.record(warmup)
+    policy = closest
+    for _ in range(3):
+        controller.record(_trial(policy, peak_bytes=BUDGET_BYTES + MIB, passive_swap_bytes=4 * MIB))
+        policy = controller.policy_for(Stage.GEN_POLICY, trace, MIB)
+    assert not any(r.held for r in controller.results)
+    controller.follow(TRIALS_DONE, warmup)
+    return controller
+
+
+def test_when_no_trial_held_and_none_is_predicted_to_fit_stable_swaps_everything_where_that_held():
+    """(Issue 27: before, the policy predicted lowest was chosen untried, and went back to WarmUp on its
+    first passive swap: WWGGGGGSWWGGGGGSWWGGGGGS on a grouped-experts Mixtral on a 1 GB/s link.)"""
+    assert _none_held(swap_all_passive_swaps=0).chosen is None
+    untried = _none_held(swap_all_passive_swaps=2).chosen
+    assert untried is not None and not untried.feasible, "swapping everything did not hold either: the closest"
+
+
 # ---- 2. none predicted to fit: the closest, with passive swap for the remainder ----------------------------
 def _chose_the_closest(passive_swap_bytes: int = 2 * MIB) -> tuple[PolicyController, Policy]:
     controller, trace, closest = _generated(SLOW_LINK_BYTES_PER_S, warmup_s=1.0)

@@ -17,8 +17,8 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
 - **Stable** applies the fastest policy that held with headroom: its measured peak at least the largest
   move of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must
   stay under; or swaps everything, when that was measured faster than every policy that held (the last
-  resort; also when no trial held and swapping everything held in WarmUp without passive swap). A policy
-  predicted short passive-swaps in Stable by design: as long as about what its trials
+  resort; also when no trial held, none is predicted to fit, and swapping everything held in WarmUp
+  without passive swap). A policy predicted short passive-swaps in Stable by design: as long as about what its trials
   measured, that restarts nothing (``Verdict.absorbed_passive_swaps``). A Stable peak over the budget but within
   the device's capacity tightens the policy in place (the shortfall added to the reduction the policy aims
   for, a new policy generated from the same trace, no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per
@@ -451,14 +451,14 @@ class PolicyController:
         if not self.results:
             return
         choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s)
-        if choice.best is None and not choice.swap_all_faster and not self._swap_all_held and self._choose_untried():
+        if choice.best is None and not choice.swap_all_faster and self._choose_untried():
             return
         if choice.best is None:
             logger.warning("%s; swapping every eligible tensor until the next policy", (
                 f"swapping everything was measured faster ({self._swap_all_iteration_s * 1e3:.1f} ms/iteration) than "
                 f"every policy that held" if choice.swap_all_faster else f"none of {len(self.results)} policy trials "
-                "held the memory budget" + (", and swapping everything held in WarmUp without passive swap"
-                                            if self._swap_all_held else "")
+                "held the memory budget" + (", none is predicted to fit, and swapping everything held in WarmUp without "
+                                            "passive swap" if self._swap_all_held else "")
                 + " (lower memory_budget or min_swap_bytes if this repeats)"))
             return
         best = choice.best
@@ -480,12 +480,14 @@ class PolicyController:
     def _choose_untried(self) -> bool:
         """None of the trials held: rather than swap everything, apply (untried) the policy the trials'
         feedback made stricter: the fastest predicted to fit, else the one predicted lowest. If it does not
-        hold either, Stable's own checks send the runtime back to WarmUp. False when there is no trace."""
+        hold either, Stable's own checks send the runtime back to WarmUp. False when there is no trace, or
+        when none is predicted to fit and swapping everything held in WarmUp without passive swap (issue 27:
+        a policy predicted short that no trial confirmed would lean on passive swap every iteration)."""
         if self._trace is None:
             return False
         policies = policies_for(self._trace, 1.0, self._settings_now())
-        if not policies:
-            return False
+        if not policies or (self._swap_all_held and not any(p.feasible for p in policies)):
+            return False  # (none predicted to fit, where swapping everything held: that is kept instead)
         self.chosen = fastest_fitting_else_lowest(policies)
         self.version += 1
         self._in_place_left = MAX_IN_PLACE_TIGHTENINGS
