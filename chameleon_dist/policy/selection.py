@@ -14,23 +14,22 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
   swaps under a policy predicted to fit make the next policies aim lower by what it missed, and the
   trials go on; a mispredicted compute time rescales the trace's op times). When no policy is predicted
   to fit, the closest ones are tried, passive swap taking the remainder (``policy.trials``).
-- **Stable** applies the fastest policy that held with headroom: its measured peak at least the largest
-  move of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must
-  stay under; or swaps everything, when that was measured faster than every policy that held (the last
-  resort; also when no trial held, none is predicted to fit, and swapping everything held in WarmUp
-  without passive swap). A policy predicted short passive-swaps in Stable by design: as long as about what its trials
-  measured, that restarts nothing (``Verdict.absorbed_passive_swaps``). A Stable peak over the budget but within
-  the device's capacity tightens the policy in place (the shortfall added to the reduction the policy aims
-  for, a new policy generated from the same trace, no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per
-  choice; after those, an overshoot within the capacity with nothing passively swapped is variance (routing,
-  lengths: issue 27) and the policy is kept; one above the capacity, or with no capacity known, sends the
-  runtime back to WarmUp. Near the
-  floor (the capacity at most ``NEAR_FLOOR_FACTOR`` times the peak of swapping everything, which fitted), a
-  Stable policy slightly short (its passive swaps moved at most ``SLIGHTLY_SHORT_SHARE`` of the needed
-  reduction) is tightened in place by what passive swap moved, or, when no stricter policy is predicted,
-  replaced in place by swapping everything (issue 27): profiling again would only find the same policies.
-  A peak over the budget near the floor for which no stricter policy is predicted swaps everything in place
-  too.
+- **Stable** applies the fastest policy that held with headroom: its measured peak at least the largest move
+  of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must stay
+  under; or swaps everything, when that was measured faster than every policy that held (the last resort; also
+  when no trial held, none is predicted to fit, and swapping everything held in WarmUp without passive swap).
+  A policy predicted short passive-swaps in Stable by design: as long as about what its trials measured, that
+  restarts nothing (``Verdict.absorbed_passive_swaps``). A Stable peak over the budget but within the device's
+  capacity tightens the policy in place (the shortfall added to the reduction the policy aims for, a new
+  policy generated from the same trace, no trials) up to ``MAX_IN_PLACE_TIGHTENINGS`` times per choice; after
+  those, an overshoot within the capacity with nothing passively swapped is variance (routing, lengths: issue
+  27) and the policy is kept; one above the capacity, or with no capacity known, sends the runtime back to
+  WarmUp. Near the floor (the capacity at most ``NEAR_FLOOR_FACTOR`` times the peak of swapping everything,
+  which fitted), a Stable policy slightly short (its passive swaps moved at most ``SLIGHTLY_SHORT_SHARE`` of
+  the needed reduction) is tightened in place by what passive swap moved, or, when no stricter policy is
+  predicted, replaced in place by swapping everything (issue 27): profiling again would only find the same
+  policies. A peak over the budget near the floor for which no stricter policy is predicted swaps everything
+  in place too.
 - **Shapes never seen before** (a longer sequence, a bigger batch: more bytes saved for backward than in
   the traced iteration) are handled by scaling first: when the chosen policy needs passive swaps or goes
   over the budget on such an iteration, a policy is generated from the same trace grown to the new size
@@ -366,6 +365,7 @@ class PolicyController:
             return
         if transition.after == Stage.WARMUP and transition.before != Stage.WARMUP:
             self._swap_all_iteration_s = None  # measured on another sequence: WarmUp measures it again
+            self._swap_all_held = False
         if transition.after == Stage.GEN_POLICY:
             self._need_policies = True
         elif transition.after == Stage.STABLE:
