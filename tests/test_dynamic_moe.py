@@ -26,12 +26,11 @@ from typing import Callable
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from launch.toy_gpt import GPT
 from tests.scenario_models import one_thread
-from tests.trained_runs import ForwardBackward, Trained, assert_bit_identical, stages, train
+from tests.trained_runs import ForwardBackward, Trained, assert_bit_identical, next_token_step, stages, train
 
 ITERATIONS = 24
 VOCAB = 128
@@ -69,14 +68,7 @@ def _mixtral(experts_implementation: str) -> Callable[[], tuple[torch.nn.Module,
 
 def _top1_moe() -> tuple[torch.nn.Module, ForwardBackward]:
     model = GPT(VOCAB, 32, 4, 4, experts=16, top_k=1, skip_idle_experts=True)
-
-    def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        return loss.detach()
-
-    return model, forward_backward
+    return model, next_token_step(model)
 
 
 CASES = {

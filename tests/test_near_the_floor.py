@@ -19,14 +19,13 @@ from typing import Callable
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.policy.model import Decision
 from chameleon_dist.policy.simulator import Planned, simulate
 from launch.toy_gpt import GPT
 from tests.scenario_models import one_thread
-from tests.trained_runs import Trained, assert_bit_identical, train
+from tests.trained_runs import Trained, assert_bit_identical, next_token_step, train
 from tests.trained_runs import stages as _stages
 
 ITERATIONS = 24
@@ -45,14 +44,7 @@ def _device(capacity_bytes: int) -> EmulatedDevice:
 
 def _toy_gpt() -> tuple[torch.nn.Module, Callable]:
     model = GPT(VOCAB, 64, 4, 4)
-
-    def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        return loss.detach()
-
-    return model, forward_backward
+    return model, next_token_step(model)
 
 
 def _hf_llama() -> tuple[torch.nn.Module, Callable]:

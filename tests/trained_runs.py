@@ -8,6 +8,7 @@ import dataclasses
 from typing import Callable
 
 import torch
+from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
@@ -24,6 +25,18 @@ class Trained:
 
 
 ForwardBackward = Callable[[torch.Tensor], torch.Tensor]  # one iteration's batch -> its detached loss, after backward
+
+
+def next_token_step(model: torch.nn.Module) -> ForwardBackward:
+    """Forward and backward of a model that maps tokens to logits, on next-token cross entropy."""
+
+    def forward_backward(tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
+
+    return forward_backward
 
 
 def train(make: Callable[[], tuple[torch.nn.Module, ForwardBackward]], batch: Callable[[int], torch.Tensor],
