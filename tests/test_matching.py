@@ -189,3 +189,67 @@ def test_saves_too_small_to_swap_keep_the_walk_aligned():
 def _backward(loss: torch.Tensor) -> torch.Tensor:
     loss.backward()
     return loss.detach()
+
+
+def _expert_sites(expert: int) -> list[str]:
+    return [f"0:1.e{expert}:aten.index.Tensor:float32:2", f"0:1.e{expert}:aten.mm.default:float32:2",
+            f"0:1.e{expert}:aten.gelu.default:float32:2"]
+
+
+def test_an_experts_saves_match_its_own_entries_whatever_the_others_did():
+    """Issue 27, item 4: with the expert in the site (experts that are modules of their own), expert 2's saves
+    take expert 2's entries when expert 1 got no token, not expert 1's (before: the same sites for all)."""
+    sites = ["0:0:aten.mm.default:float32:2"] + _expert_sites(0) + _expert_sites(1) + _expert_sites(2)
+    shapes = [(4, 8)] * len(sites)
+    matcher = PolicyMatcher(_policy(shapes, swapped=[2, 5, 8, 9], sites=sites))  # each expert's mm, expert 2's gelu too
+    run = [sites[0]] + _expert_sites(0) + _expert_sites(2)
+    assert _saves(matcher, [(site, (3, 8)) for site in run]) == [None, None, 2, None, None, 8, 9]
+    assert matcher.counts.unmatched == 0 and matcher.counts.skipped == 1  # expert 1's entry passed over
+
+
+def test_an_expert_idle_in_the_traced_iteration_gets_the_decision_its_siblings_got():
+    """Issue 27, item 4: expert 3 had no token when the policy was traced, so the policy has none of its saves;
+    now it runs, and its saves take the entries of its siblings' saves at the same sites (where at least half
+    of the siblings have one), instead of staying on the device."""
+    sites = ["0:0:aten.mm.default:float32:2"] + _expert_sites(0) + _expert_sites(1) + _expert_sites(2)
+    shapes = [(4, 8)] * len(sites)
+    # every expert's mm swapped; only expert 0's gelu (1 of 3 siblings: not the siblings' decision)
+    matcher = PolicyMatcher(_policy(shapes, swapped=[2, 3, 5, 8], sites=sites))
+    run = [sites[0]] + _expert_sites(0) + _expert_sites(3)
+    assert _saves(matcher, [(site, (3, 8)) for site in run]) == [None, None, 2, 3, None, 2, None]
+    assert matcher.counts.unmatched == 2 and matcher.counts.fuzzy == 3  # expert 3's index and gelu stay
+    matcher.reset()
+    assert _saves(matcher, [(site, (3, 8)) for site in run]) == [None, None, 2, 3, None, 2, None]
+    # outside an expert nothing is borrowed: an unknown site stays on the device
+    assert matcher.match(torch.zeros(3, 8), "0:2:aten.mm.default:float32:2") is None
+
+
+def test_the_layer_clock_names_the_expert_running_inside_a_layer():
+    from torch import nn
+
+    from chameleon_dist.profiler.scope import LayerClock
+
+    clock, seen = LayerClock(), []
+
+    class Expert(nn.Module):
+        def forward(self, x):
+            seen.append(clock.site)
+            return x
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(Expert() for _ in range(3))
+
+        def forward(self, x):
+            seen.append(clock.site)
+            for k in (2, 0):  # expert 1 got no token
+                x = self.experts[k](x)
+            seen.append(clock.site)
+            return x
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Sequential(MoE())])
+    clock.watch(model)
+    model.layers[0](torch.zeros(1))
+    assert seen == ["0", "0.e2", "0.e0", "0"] and clock.site == "-1"

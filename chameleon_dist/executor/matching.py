@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import re
 
 import torch
 
@@ -27,7 +28,8 @@ from chameleon_dist.policy.model import Decision, Policy, PolicyEntry, save_key
 #   counts it: a save outside backward after an unpack starts the next micro-batch), or the identity an
 #   engine's schedule names (``IterationContext.micro_batch``: under 1F1B and interleaving, counting is wrong);
 # - layer: the transformer layer running (``layers.<i>`` and the like; -1 outside any), from hooks on the
-#   layer modules (``profiler.scope.LayerClock``);
+#   layer modules (``profiler.scope.LayerClock``), and the expert running inside it (``3.e5``) where experts
+#   are modules of their own, so that an expert's saves match that expert's entries whatever the others did;
 # - last op: the aten op recorded last before the save. For an op's outputs that is the op itself; for its
 #   inputs it is the op before it, because autograd saves inputs before the op reaches the dispatcher.
 #   For the same reason the argument position (``PolicyEntry.arg_position``) cannot be known at run time
@@ -49,7 +51,12 @@ from chameleon_dist.policy.model import Decision, Policy, PolicyEntry, save_key
 # 2. else the nearest ordinal after the cursor, within ``window``, with the same site: the policy ordinals
 #    passed over are saves this iteration does not make (an expert that got no token), and their
 #    entries do not fire (``MatchCounts.skipped``);
-# 3. else nothing: a save the policy does not know (an inserted op, an extra expert) stays on the device
+# 3. else, inside an expert (the site's layer reads ``<layer>.e<expert>``: experts that are modules of their
+#    own, ``experts.<j>`` or Megatron's ``local_experts.<j>``), the decision its siblings got: an expert idle
+#    in the traced iteration has no saves in the policy, so its k-th save at a site takes the entry of the
+#    first sibling expert's k-th save at the same site, when at least half the siblings' saves there have an
+#    entry (counted ``fuzzy``; its swaps are placed shifted like any match, by the op clock at the save);
+# 4. else nothing: a save the policy does not know (an inserted op) stays on the device
 #    (``MatchCounts.unmatched``), and the cursor stays where it was.
 #
 # A match is *exact* when the shape is also the traced one, *fuzzy* (scaled) when only the site is.
@@ -96,10 +103,13 @@ class PolicyMatcher:
         self._window = window
         self._cursor = 0
         self.counts = MatchCounts()
+        self._siblings = _sibling_entries(self._symbols, self._by_ordinal) if self.by_site else {}
+        self._occurrences: dict[str, int] = {}  # site -> saves walked at it in this attempt
 
     def reset(self) -> None:
         self._cursor = 0
         self.counts = MatchCounts()
+        self._occurrences = {}
 
     def match(self, tensor: torch.Tensor, site: str, eligible: bool = True) -> PolicyEntry | None:
         """The entry for a storage saved first now at ``site``, or None to keep it on the device. Enforces
@@ -109,11 +119,17 @@ class PolicyMatcher:
         key = save_key(str(tensor.dtype).removeprefix("torch."), tensor.shape)
         symbols, start = self._symbols, self._cursor
         symbol = site if self.by_site else key
+        occurrence = self._occurrences.get(symbol, 0)
+        self._occurrences[symbol] = occurrence + 1
         stop = min(len(symbols), start + self._window + 1)
         for ordinal in range(start, stop):
             if symbols[ordinal] == symbol:
                 break
         else:
+            sibling = self._siblings.get((_without_expert(symbol), occurrence)) if _EXPERT.search(symbol) else None
+            if sibling is not None and eligible:
+                self.counts.fuzzy += 1
+                return sibling
             self.counts.unmatched += 1
             return None
         self.counts.skipped += bisect.bisect_left(self._entry_ordinals, ordinal) - bisect.bisect_left(
@@ -131,3 +147,33 @@ class PolicyMatcher:
         else:
             self.counts.fuzzy += 1
         return entry
+
+
+_EXPERT = re.compile(r"^([^:]*:[^:]*)\.e\d+:")
+
+
+def _without_expert(site: str) -> str:
+    """``site`` with its expert index left out (``"0:3.e5:aten.mm:float32:2"`` -> ``"0:3:aten.mm:float32:2"``)."""
+    return _EXPERT.sub(r"\1:", site, count=1)
+
+
+def _sibling_entries(sites: list[str], by_ordinal: dict[int, PolicyEntry]) -> dict[tuple[str, int], PolicyEntry]:
+    """(site without its expert, k) -> the entry an expert's k-th save at that site takes when the policy has
+    none of that expert's (NOTE [Save-site matching], rule 3): the first sibling's entry, where at least half
+    the siblings' k-th saves there have one."""
+    counts: dict[tuple[str, int], list[int]] = {}  # key -> [siblings, siblings with an entry]
+    first: dict[tuple[str, int], PolicyEntry] = {}
+    occurrences: dict[str, int] = {}
+    for ordinal, site in enumerate(sites):
+        if not _EXPERT.search(site):
+            continue
+        k = occurrences.get(site, 0)
+        occurrences[site] = k + 1
+        key = (_without_expert(site), k)
+        tally = counts.setdefault(key, [0, 0])
+        tally[0] += 1
+        entry = by_ordinal.get(ordinal)
+        if entry is not None:
+            tally[1] += 1
+            first.setdefault(key, entry)
+    return {key: entry for key, entry in first.items() if 2 * counts[key][1] >= counts[key][0]}

@@ -87,7 +87,7 @@ class OnlineProfiler:
         def site() -> str:
             last = ids[-1] if ids else None
             name = "start" if last is None else names[last if last >= 0 else ~last]
-            return f"{layers.layer}:{name}"
+            return f"{layers.site}:{name}"
 
         return site
 

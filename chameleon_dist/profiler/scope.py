@@ -46,35 +46,68 @@ def is_layer_path(path: str) -> bool:
     return bool(match) and match.end() == len(path)
 
 
+_EXPERT_PATTERN = re.compile(r"(?:^|\.)(?:experts|local_experts)\.(\d+)$")
+
+
+def expert_of(path: str) -> int:
+    """The expert index when ``path`` names one expert of an MoE layer itself (``layers.1.mlp.experts.5``,
+    Megatron's ``local_experts.5``), else -1."""
+    match = _EXPERT_PATTERN.search(path)
+    return int(match.group(1)) if match else -1
+
+
 class LayerClock:
-    """The transformer layer running now (-1: none), from hooks on the layer modules of watched models."""
+    """The transformer layer running now (-1: none), and the expert inside it (-1: none), from hooks on the
+    layer and expert modules of watched models. Experts that are not modules of their own (one module looping
+    over expert weights, one grouped op for all experts) have no index here."""
 
     def __init__(self) -> None:
         self._stack: list[int] = []
+        self._experts: list[int] = []
 
     def watch(self, model: nn.Module) -> None:
         for path, module in model.named_modules():
             if is_layer_path(path):
-                module.register_forward_pre_hook(self._enter(layer_of(path)))
-                module.register_forward_hook(self._leave, always_call=True)
+                module.register_forward_pre_hook(self._enter(self._stack, layer_of(path)))
+                module.register_forward_hook(self._leave(self._stack), always_call=True)
+            elif expert_of(path) >= 0:
+                module.register_forward_pre_hook(self._enter(self._experts, expert_of(path)))
+                module.register_forward_hook(self._leave(self._experts), always_call=True)
 
-    def _enter(self, layer: int):
+    @staticmethod
+    def _enter(stack: list[int], index: int):
         def hook(module, args) -> None:
-            self._stack.append(layer)
+            stack.append(index)
 
         return hook
 
-    def _leave(self, module, args, output) -> None:
-        if self._stack:
-            self._stack.pop()
+    @staticmethod
+    def _leave(stack: list[int]):
+        def hook(module, args, output) -> None:
+            if stack:
+                stack.pop()
+
+        return hook
 
     @property
     def layer(self) -> int:
         return self._stack[-1] if self._stack else -1
 
+    @property
+    def expert(self) -> int:
+        return self._experts[-1] if self._experts else -1
+
+    @property
+    def site(self) -> str:
+        """The layer, and the expert running inside it (``"3.e5"``), for save sites (NOTE [Save-site matching]
+        in executor/matching.py)."""
+        expert = self.expert
+        return f"{self.layer}" if expert < 0 else f"{self.layer}.e{expert}"
+
     def reset(self) -> None:
-        """Forget layers an exception left entered (an iteration starts over)."""
+        """Forget layers and experts an exception left entered (an iteration starts over)."""
         self._stack.clear()
+        self._experts.clear()
 
 
 class MicroBatchClock:
