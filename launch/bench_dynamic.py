@@ -1,10 +1,11 @@
-"""Dynamic sequences (issue 12): Chameleon at half the unswapped peak against a plain loop, on models whose
+"""Dynamic sequences (issues 12 and 27): Chameleon at half the unswapped peak against a plain loop, on models whose
 operator sequence changes from iteration to iteration, on a simulated device: ``--preset`` at its real rates,
 on the device clock, with ``--host-op-s`` host seconds per op (default 2e-5: runs repeat exactly;
 ``measured``: the host's own time). See launch/device_clock.py for what each figure means.
 
-Two cases, each training two copies of one plain-PyTorch GPT (launch/toy_gpt.py; identical initialisation,
-the same batches, plain SGD) on their own ``EmulatedDevice``:
+Each case trains two copies of one model (identical initialisation, seeded with ``--seed``; the same batches,
+plain SGD) on their own ``EmulatedDevice``. The default cases, on the plain-PyTorch GPT of launch/toy_gpt.py
+(``--layers``, ``--hidden``, ``--heads``):
 
 - ``moe``: every odd layer's MLP is an eager top-2 mixture of ``--experts`` experts with a skewed router, and
   an expert that receives no token does not run (``skip_idle_experts``, like Hugging Face Mixtral's eager
@@ -12,6 +13,28 @@ the same batches, plain SGD) on their own ``EmulatedDevice``:
   ``--seq``). The number of idle experts per iteration is reported.
 - ``lengths``: a dense GPT whose sequence length is drawn from ``--lengths`` every ``--length-every``
   iterations (seeded RNG): every saved activation changes size when the length changes.
+
+The cases of issue 27 (tests/test_dynamic_moe.py's models), run when named in ``--cases`` (``--cases all``: every
+case):
+
+- ``mixtral_eager``, ``mixtral_grouped``: a tiny random Hugging Face ``transformers.MixtralForCausalLM`` (hidden 64,
+  intermediate 32, 4 layers, 4 heads, 4 kv heads, 32 experts, top-2, eager attention, no cache; ``--vocab``,
+  ``--seq``, ``--batch``) with ``experts_implementation`` "eager" (an expert that gets no token does not run: the
+  ops change with the routing) resp. "grouped_mm" (one op for all experts: the sizes inside it change, the ops do
+  not), wrapped so that ``forward(tokens)`` returns the logits (``MixtralLM``; Chameleon attaches to the wrapper).
+  Under ``--small`` a smaller Mixtral (``MIXTRAL_SMALL``: 2 layers, hidden 16, 8 experts). Idle experts are
+  counted from the routers' ``top_k_index`` by a forward hook, in the untimed measurement pass only. Both need
+  ``transformers`` (``pip install -e .[hf]``): naming one without it is a usage error that says so.
+- ``top1_lengths``: the GPT with an eager top-1 MoE of ``--experts`` experts in every odd layer, idle experts
+  skipped, whose sequence length cycles through ``--lengths`` every iteration (the test's case: ``--lengths
+  32,48,64``): the ops and the saved bytes change together every iteration.
+
+The default ``--cases`` stays ``moe,lengths`` whether or not ``transformers`` is installed: the same command runs
+the same cases on every machine (and stays a few minutes); the three issue-27 cases take about 1.5 minutes
+at 24 iterations on 2 cores.
+
+``--d2h`` / ``--h2d`` (bytes per second) replace the preset's link rate in that direction (tests/test_dynamic_moe.py
+runs at 1e9); the physical bound and the device line then use it.
 
 Per case:
 
@@ -42,6 +65,10 @@ that keeps changing.
     .venv/bin/python -m launch.bench_dynamic --host-op-s measured             # the host's measured time
     .venv/bin/python -m launch.bench_dynamic --instant-link --min-swap-kib 1  # the runtime's own cost
     .venv/bin/python -m launch.bench_dynamic --small                          # seconds (smoke test)
+
+Issue 27's cases as tests/test_dynamic_moe.py runs them (there at 1 GB/s each way: add ``--d2h 1e9 --h2d 1e9``):
+
+    .venv/bin/python -m launch.bench_dynamic --cases mixtral_eager,mixtral_grouped,top1_lengths --lengths 32,48,64 --iterations 24
 """
 
 from __future__ import annotations
@@ -50,6 +77,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import logging
 import random
 import statistics
@@ -67,29 +95,97 @@ from launch.swap_variants import MIB, Variant, host_batch
 from launch.toy_gpt import GPT, MoEFeedForward
 
 import torch
+from torch import nn
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
 
 logger = logging.getLogger(__name__)
 
-CASES = ("moe", "lengths")
+DEFAULT_CASES = ("moe", "lengths")
+HF_CASES = ("mixtral_eager", "mixtral_grouped")  # need transformers (the ``hf`` extra)
+CASES = (*DEFAULT_CASES, *HF_CASES, "top1_lengths")
+HF_INSTALL = "pip install -e .[hf]"
 SWAP_ALL = "no policy (every eligible tensor swapped)"
+# the Mixtral cases' shape (tests/test_dynamic_moe.py's); --small: MIXTRAL_SMALL
+MIXTRAL = {"hidden": 64, "intermediate": 32, "layers": 4, "heads": 4, "kv_heads": 4, "experts": 32, "top_k": 2}
+MIXTRAL_SMALL = {"hidden": 16, "intermediate": 8, "layers": 2, "heads": 2, "kv_heads": 2, "experts": 8, "top_k": 2}
 
 
 # ---- cases --------------------------------------------------------------------------------------
+def transformers_available() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def import_transformers():
+    """``transformers``, imported on first use (only the Mixtral cases need it)."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(f"the cases {', '.join(HF_CASES)} need Hugging Face transformers: {HF_INSTALL} "
+                          f"({exc})") from exc
+    return transformers
+
+
+class MixtralLM(nn.Module):
+    """A ``transformers.MixtralForCausalLM`` whose ``forward(tokens)`` returns the logits (no cache), so that the
+    benchmark's closure (cross entropy on the logits) and Chameleon (attached to this wrapper) treat it like the
+    GPT. ``count_routing()`` adds a forward hook to every router that notes which experts got a token (read on
+    the host from ``top_k_index``: no op on the device); ``idle_experts()`` then counts, over all MoE layers, the
+    experts that got none in the last forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        self.moe_layers = len(self.routers)
+        self.experts = model.config.num_local_experts
+        self._hit: dict[int, set[int]] = {}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._hit = {}
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+    def count_routing(self) -> None:
+        for i, router in enumerate(self.routers):
+            def hook(module, inputs, output, i=i):
+                self._hit[i] = set(output[2].flatten().tolist())  # (logits, scores, top_k_index)
+
+            router.register_forward_hook(hook)
+
+    def idle_experts(self) -> int:
+        return sum(self.experts - len(self._hit.get(i, ())) for i in range(self.moe_layers))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One model and its batches: ``seq_lengths[i]`` is iteration ``i``'s sequence length."""
+    """One model and its batches: ``seq_lengths[i]`` is iteration ``i``'s sequence length. ``model_kwargs``: the
+    GPT's keyword options (launch/toy_gpt.py), or with ``mixtral`` (the experts implementation, "eager" or
+    "grouped_mm") the Mixtral's shape (``MIXTRAL``)."""
 
     name: str
     model_kwargs: dict
     seq_lengths: tuple[int, ...]
     description: str
+    mixtral: str | None = None
 
-    def make_model(self, args: argparse.Namespace) -> GPT:
+    @property
+    def experts(self) -> int:
+        return self.model_kwargs.get("experts", 0)
+
+    def make_model(self, args: argparse.Namespace) -> nn.Module:
         torch.manual_seed(args.seed)
-        return GPT(args.vocab, args.hidden, args.heads, args.layers, **self.model_kwargs)
+        if self.mixtral is None:
+            return GPT(args.vocab, args.hidden, args.heads, args.layers, **self.model_kwargs)
+        transformers = import_transformers()
+        k = self.model_kwargs
+        config = transformers.MixtralConfig(
+            vocab_size=args.vocab, hidden_size=k["hidden"], intermediate_size=k["intermediate"],
+            num_hidden_layers=k["layers"], num_attention_heads=k["heads"], num_key_value_heads=k["kv_heads"],
+            max_position_embeddings=max(256, *self.seq_lengths), num_local_experts=k["experts"],
+            num_experts_per_tok=k["top_k"], attn_implementation="eager", experts_implementation=self.mixtral,
+            use_cache=False)
+        return MixtralLM(transformers.MixtralForCausalLM(config).train())
 
     def batch(self, args: argparse.Namespace, step: int) -> torch.Tensor:
         shape = SimpleNamespace(seed=args.seed, vocab=args.vocab, batch=args.batch, seq=self.seq_lengths[step])
@@ -97,16 +193,34 @@ class Case:
 
 
 def make_case(name: str, args: argparse.Namespace) -> Case:
+    gpt = f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads"
     if name == "moe":
         return Case(name, {"experts": args.experts, "top_k": 2, "skip_idle_experts": True},
                     (args.seq,) * args.iterations,
-                    f"eager top-2 MoE, {args.experts} experts in every odd layer, idle experts skipped, seq {args.seq}")
+                    f"{gpt}; eager top-2 MoE, {args.experts} experts in every odd layer, idle experts skipped, "
+                    f"seq {args.seq}")
+    if name == "top1_lengths":
+        cycle = tuple(args.lengths[i % len(args.lengths)] for i in range(args.iterations))
+        return Case(name, {"experts": args.experts, "top_k": 1, "skip_idle_experts": True}, cycle,
+                    f"{gpt}; eager top-1 MoE, {args.experts} experts in every odd layer, idle experts skipped, seq "
+                    f"cycling {'/'.join(map(str, args.lengths))} every iteration")
+    if name in HF_CASES:
+        shape = MIXTRAL_SMALL if args.small else MIXTRAL
+        implementation = "eager" if name == "mixtral_eager" else "grouped_mm"
+        return Case(name, dict(shape), (args.seq,) * args.iterations,
+                    f"transformers MixtralForCausalLM (random init) {shape['layers']} layers, hidden "
+                    f"{shape['hidden']}, intermediate {shape['intermediate']}, {shape['heads']} heads "
+                    f"({shape['kv_heads']} kv), {shape['experts']} experts top-{shape['top_k']} in every layer, "
+                    f"eager attention, experts_implementation {implementation!r}"
+                    + (" (an expert with no token does not run)" if implementation == "eager" else
+                       " (one op for all experts)") + f", no cache, seq {args.seq}",
+                    mixtral=implementation)
     rng = random.Random(args.seed)
     lengths: list[int] = []
     while len(lengths) < args.iterations:
         lengths += [rng.choice(args.lengths)] * args.length_every
     return Case(name, {}, tuple(lengths[:args.iterations]),
-                f"dense GPT, seq drawn from {{{', '.join(map(str, args.lengths))}}} every {args.length_every} "
+                f"{gpt}; dense, seq drawn from {{{', '.join(map(str, args.lengths))}}} every {args.length_every} "
                 "iterations")
 
 
@@ -152,8 +266,16 @@ class CaseVariant(Variant):
         return record
 
     def idle_experts(self) -> int:
-        """Experts that got no token in the last forward, over all MoE layers."""
+        """Experts that got no token in the last forward, over all MoE layers (a Mixtral: see ``MixtralLM``)."""
+        if isinstance(self.model, MixtralLM):
+            return self.model.idle_experts()
         return sum(c == 0 for m in self.model.modules() if isinstance(m, MoEFeedForward) for c in m.counts)
+
+
+def moe_layers(model: nn.Module) -> int:
+    if isinstance(model, MixtralLM):
+        return model.moe_layers
+    return sum(isinstance(m, MoEFeedForward) for m in model.modules())
 
 
 # ---- run ----------------------------------------------------------------------------------------
@@ -178,6 +300,8 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
     start_s = time.perf_counter()
     measure = CaseVariant(VariantSpec("measure", {"enabled": False}), case, args, device(UNBOUNDED_CAPACITY_BYTES))
     measure.note_saved = True
+    if isinstance(measure.model, MixtralLM):
+        measure.model.count_routing()  # (the measurement pass only: the timed variants run without the hooks)
     idle = []
     for i in range(n):
         measure.step(case.batch(args, i))
@@ -234,7 +358,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
     measure_equal = (all(torch.equal(a, b) for a, b in zip(measure.losses, plain.losses))
                      and (failure is not None or all(torch.equal(a.detach(), b.detach())
                                                      for a, b in zip(measure.model.parameters(), ref_params))))
-    moe_layers = sum(isinstance(m, MoEFeedForward) for m in plain.model.modules())
+    moes = moe_layers(plain.model)
     return {
         "description": case.description,
         "iterations": n,
@@ -242,9 +366,9 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
         "seq_lengths": list(case.seq_lengths),
         "model": {"parameters": sum(p.numel() for p in plain.model.parameters()),
                   "parameter_bytes": sum(p.numel() * p.element_size() for p in plain.model.parameters()),
-                  "moe_layers": moe_layers, "experts": case.model_kwargs.get("experts", 0)},
-        "idle_experts": idle if moe_layers else None,
-        "iterations_with_idle_experts": sum(x > 0 for x in idle) if moe_layers else None,
+                  "moe_layers": moes, "experts": case.experts},
+        "idle_experts": idle if moes else None,
+        "iterations_with_idle_experts": sum(x > 0 for x in idle) if moes else None,
         "unswapped_peak_bytes": unswapped_peak,
         "unswapped_peaks_mib": [b / MIB for b in peaks],
         "capacity_bytes": capacity_bytes,
@@ -344,19 +468,20 @@ def print_report(r: dict) -> None:
           f"(other jobs share this machine)")
     print(f"ALL FIGURES EMULATED: {dev['text']}; {dev['host']}"
           + ("; --instant-link: copies take no time (the ratio is the runtime's own cost)" if r.get("instant_link") else ""))
-    print(f"model: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']}, vocab "
-          f"{c['vocab']}, fp32, SGD; {c['iterations']} iterations per case, plain and chameleon interleaved; "
+    print(f"models: per case below; batch {c['batch']}, vocab {c['vocab']}, fp32, SGD; "
+          f"{c['iterations']} iterations per case, plain and chameleon interleaved; "
           f"chameleon capacity {c['capacity_fraction']:g} x the unswapped peak, memory_budget default, "
           f"min_swap_bytes {c['min_swap_kib']:g} KiB")
     print()
-    print(f"{'case':<9}{'plain ms':>9}{'ratio':>7}{'stall %':>8}{'host-bd %':>10}{'plain hb %':>11}{'moved %':>8}"
+    width = max(9, *(len(name) + 1 for name in r["cases"]))
+    print(f"{'case':<{width}}{'plain ms':>9}{'ratio':>7}{'stall %':>8}{'host-bd %':>10}{'plain hb %':>11}{'moved %':>8}"
           f"{'bound %':>8}{'stable':>8}{'passive':>8}{'peak/cap':>9}{'->warmup':>9}{'peak MiB':>9}{'cap MiB':>8}"
           f"{'bit-identical':>15}   (emulated)")
     for name, v in r["cases"].items():
         verdict = {True: "yes", False: "NO", None: "n/a"}[v["bit_identical"]]
         same = f"{verdict} {v['losses_equal']}/{v['losses_compared']}"
         plain_ms = None if v["plain_median_s"] is None else v["plain_median_s"] * 1e3
-        print(f"{name:<9}{_fmt(plain_ms, '.3f'):>9}{_fmt(v['ratio'], '.3f'):>7}{_fmt(v['stall_share_stable'], '.1%'):>8}"
+        print(f"{name:<{width}}{_fmt(plain_ms, '.3f'):>9}{_fmt(v['ratio'], '.3f'):>7}{_fmt(v['stall_share_stable'], '.1%'):>8}"
               f"{_fmt(v['host_bound_share_stable'], '.1%'):>10}{_fmt(v['plain_host_bound_share'], '.1%'):>11}"
               f"{_fmt(v['moved_share_stable'], '.1%'):>8}{_fmt(v['physical_bound'], '.1%'):>8}"
               f"{_fmt(v['stable_share'], '.0%'):>8}"
@@ -408,19 +533,22 @@ def print_report(r: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_device_arguments(parser)
+    add_device_arguments(parser, link=True)
     parser.add_argument("--instant-link", action="store_true",
                         help="copies take no time (the preset's compute): the runtime's own cost on changing sequences")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                        help=f"comma-separated, of {', '.join(CASES)}, or 'all' (default %(default)s; "
+                             f"{', '.join(HF_CASES)} need transformers: {HF_INSTALL})")
     parser.add_argument("--iterations", type=int, default=40, help="iterations per case")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=128)
-    parser.add_argument("--seq", type=int, default=128, help="sequence length of the moe case")
-    parser.add_argument("--experts", type=int, default=16, help="experts per MoE layer (moe case)")
-    parser.add_argument("--lengths", default="64,96,128", help="sequence lengths of the lengths case")
+    parser.add_argument("--seq", type=int, default=128, help="sequence length of the moe and Mixtral cases")
+    parser.add_argument("--experts", type=int, default=16, help="experts per MoE layer (moe and top1_lengths cases)")
+    parser.add_argument("--lengths", default="64,96,128",
+                        help="sequence lengths of the lengths case (drawn) and of top1_lengths (cycled)")
     parser.add_argument("--length-every", type=int, default=3, help="lengths case: draw a new length this often")
     parser.add_argument("--capacity-fraction", type=float, default=0.5, help="chameleon's capacity / unswapped peak")
     parser.add_argument("--min-swap-kib", type=float, default=16, help="min_swap_bytes in KiB")
@@ -440,11 +568,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.policy_trials is None:
             args.policy_trials = 2
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if args.cases == ["all"]:
+        args.cases = list(CASES)
     args.lengths = [int(x) for x in str(args.lengths).split(",")]
     if (not args.cases or set(args.cases) - set(CASES) or not 0 < args.capacity_fraction <= 1 or args.iterations < 1
             or args.length_every < 1 or args.hidden % args.heads or min(args.lengths) < 1):
         parser.error(f"need --cases from {', '.join(CASES)}, 0 < --capacity-fraction <= 1, --iterations >= 1, "
                      "--length-every >= 1, positive --lengths and --hidden divisible by --heads")
+    needs_hf = [c for c in args.cases if c in HF_CASES]
+    if needs_hf and not transformers_available():
+        parser.error(f"the cases {', '.join(needs_hf)} need Hugging Face transformers, which is not installed: "
+                     f"{HF_INSTALL}")
     args.min_swap_bytes = int(args.min_swap_kib * 1024)
     return args
 

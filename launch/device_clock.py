@@ -73,21 +73,42 @@ def host_op_s_value(text: str) -> float | None:
     return value
 
 
-def add_device_arguments(parser: argparse.ArgumentParser, preset: bool = True) -> None:
-    """``--preset`` (unless ``preset`` is False) and ``--host-op-s``."""
+def link_rate_value(text: str) -> float:
+    """``--d2h`` / ``--h2d``: bytes per second (> 0), e.g. 1e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a link rate takes bytes per second (e.g. 1e9), got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"a link rate must be > 0 bytes per second, got {text!r}")
+    return value
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, preset: bool = True, link: bool = False) -> None:
+    """``--preset`` (unless ``preset`` is False) and ``--host-op-s``; with ``link``, also ``--d2h`` and ``--h2d``
+    (bytes per second, overriding the preset's link rate in that direction; ``make_device`` reads them)."""
     if preset:
         parser.add_argument("--preset", default=DEFAULT_PRESET, choices=[p.name for p in PRESETS],
                             help="accelerator the simulated device follows, at its real rates (default %(default)s)")
     parser.add_argument("--host-op-s", type=host_op_s_value, default=DEFAULT_HOST_OP_S, metavar="SECONDS|measured",
                         help="host seconds per op on the simulated device (default %(default)g: every run repeats "
                              f"exactly); '{MEASURED}' = the host's own measured time (changes from run to run)")
+    if link:
+        for direction in ("d2h", "h2d"):
+            parser.add_argument(f"--{direction}", dest=f"{direction}_bytes_per_s", type=link_rate_value, default=None,
+                                metavar="BYTES_PER_S",
+                                help=f"{direction.upper()} link rate in bytes per second, e.g. 1e9 (default: the "
+                                     "preset's real rate)")
 
 
 def make_device(args: argparse.Namespace, capacity_bytes: int, preset: str | None = None,
                 instant_link: bool = False) -> EmulatedDevice:
-    """A simulated ``preset`` (default ``args.preset``) at its real rates with ``args.host_op_s``;
+    """A simulated ``preset`` (default ``args.preset``) at its real rates with ``args.host_op_s`` (and the link
+    rates ``args.d2h_bytes_per_s`` / ``args.h2d_bytes_per_s`` where given: ``add_device_arguments(link=True)``);
     ``instant_link``: the preset's compute with copies that take no time."""
-    model = DeviceModel.resolve(preset=preset or args.preset, host_op_s=args.host_op_s)
+    model = DeviceModel.resolve(preset=preset or args.preset, host_op_s=args.host_op_s,
+                                d2h_bytes_per_s=getattr(args, "d2h_bytes_per_s", None),
+                                h2d_bytes_per_s=getattr(args, "h2d_bytes_per_s", None))
     if instant_link:
         model = dataclasses.replace(model, h2d_bytes_per_s=None, d2h_bytes_per_s=None,
                                     sources=(*model.sources, "h2d/d2h_bytes_per_s: instant (--instant-link)"))
