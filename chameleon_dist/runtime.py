@@ -22,6 +22,7 @@ import logging
 import math
 import time
 import traceback
+import types
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -258,6 +259,7 @@ class Chameleon:
                         hide_own_ops=self.profiler.scope.quiet, writes_reported=True,
                         site_clock=self.profiler.site_clock(observation),
                         micro_batch=lambda clock=self.profiler.micro_batches: clock.current,
+                        layer_clock=lambda layers=self.profiler.layers: layers.layer,
                     )
                     with self.executor.active(context) as running.counters:
                         yield
@@ -283,6 +285,7 @@ class Chameleon:
             attempt_stall_s=self.device.stall_s() - running.attempt_stall_start_s,
             passive_swaps=counters.passive_swaps, oom_retries=running.oom_retries,
             profiled=observation.recorder is not None, saved_bytes=sum(counters.saved_bytes),
+            saved_bytes_by_layer=types.MappingProxyType(dict(counters.saved_bytes_by_layer)),
             passive_swap_bytes=counters.passive_swap_bytes,
             failed_attempt_passive_swaps=observation.failed_attempt_passive_swaps,
         )

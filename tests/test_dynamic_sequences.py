@@ -130,6 +130,8 @@ CASES = {
     "lengths": Case("lengths", _dense, _length_every_3, 60),
     "micro_batches": Case("micro_batches", _dense, lambda i: [(8, 32), (8, 48), (8, 64), (8, 48)], 40),
     "batch_size": Case("batch_size", _dense, lambda i: [(random.Random(i).randint(8, 32), 16)], 60),
+    # the length cycles every iteration, and the traced one (iteration 2) is the shortest but one
+    "cycling": Case("cycling", _dense, lambda i: [(4, (128, 64, 96)[(i - 1) % 3])], 24),
 }
 
 
@@ -181,6 +183,23 @@ def test_a_random_batch_size_every_iteration_stays_mostly_stable():
     # a trial's policy runs out of memory at a batch size larger than the profiled ones: one retry, a new
     # warm-up, then Stable for good (today 48 of 53 iterations after the first warm-up)
     _check_mostly_stable(CASES["batch_size"], min_stable_share=0.85, max_stable_passive_swaps=0, max_retries=1)
+
+
+@pytest.mark.slow
+def test_a_length_seen_before_has_its_policy_before_it_comes_back():
+    """Issue 27, item 1: the policies are made for what each layer saved at most in the recent iterations
+    (here the length-128 iteration before the traced one), so no Stable iteration overshoots into passive
+    swap or an out-of-memory retry when that length comes back. (Before: 2 out-of-memory retries and 22
+    passive swaps in Stable, on a 1 GB/s link.)"""
+    case = CASES["cycling"]
+    plain = _train(case, {"enabled": False})
+    capacity = max(r.peak_device_bytes for r in plain.reports) // 2
+    device = EmulatedDevice(capacity, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, preset="h100-pcie", host_op_s=2e-5)
+    swapped = _train(case, {"min_swap_bytes": 1024}, device=device)
+    print(_summary(case, swapped, capacity))
+    _assert_bit_identical(swapped, plain)
+    _assert_settled(case, swapped, min_stable_share=1.0, max_stable_passive_swaps=0)
+    assert all(r.oom_retries == 0 for r in swapped.reports), [r.oom_retries for r in swapped.reports]
 
 
 @pytest.mark.slow

@@ -26,6 +26,10 @@ def _unnamed_micro_batch() -> int | None:
     return None
 
 
+def _no_layer() -> int:
+    return -1
+
+
 class SwapObserver(Protocol):
     """What the detailed profiler wants to hear from the executor (profiling iterations only)."""
 
@@ -58,6 +62,8 @@ class IterationContext:
             with a dispatch mode of its own.
         site_clock: where the iteration is now ("layer:last op"), part of every save's site (NOTE
             [Save-site matching] in ``executor/matching.py``). The default knows neither.
+        layer_clock: the transformer layer running now (-1: none, the default), by which the executor counts
+            the bytes saved per layer (``SwapCounters.saved_bytes_by_layer``, for ``policy.variance``).
         micro_batch: the micro-batch the engine's schedule names now (``MicroBatchClock`` in
             ``profiler/scope.py``), the first part of every save's site; None (the default): the executor
             counts micro-batches itself (a forward save after a backward pass starts the next one).
@@ -70,6 +76,7 @@ class IterationContext:
     writes_reported: bool = False
     site_clock: Callable[[], str] = _unknown_site
     micro_batch: Callable[[], int | None] = _unnamed_micro_batch
+    layer_clock: Callable[[], int] = _no_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +119,7 @@ class SwapCounters:
     kept_on_device_bytes: int = 0  # swaps host_memory_budget refused: those tensors stayed on the device
     prefetched: int = 0
     saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
+    saved_bytes_by_layer: dict[int, int] = dataclasses.field(default_factory=dict)  # ... summed per layer (-1: none)
     on_demand_fetches: int = 0  # swap-ins started only when backward needed the tensor
     reused_original_bytes: int = 0  # restores that reused the still-alive device original (no copy)
     passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure

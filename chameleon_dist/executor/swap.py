@@ -293,7 +293,10 @@ class SwapExecutor:
         """The pack hook's work; the caller has entered ``hide_own_ops`` (the profiler does not see its ops)."""
         if type(tensor) is not torch.Tensor and type(tensor) is not nn.Parameter:
             return tensor  # tensor subclasses (DTensor, fake tensors) are left to their own logic
-        self.counters.saved_bytes.append(tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        self.counters.saved_bytes.append(nbytes)
+        by_layer, layer = self.counters.saved_bytes_by_layer, self._context.layer_clock()
+        by_layer[layer] = by_layer.get(layer, 0) + nbytes
         if self._unpacked and torch._C._current_graph_task_id() == -1:
             self._micro_batch += 1  # a forward save after a backward pass: the next micro-batch
             self._unpacked = False

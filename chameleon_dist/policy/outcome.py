@@ -8,6 +8,7 @@ can read an outcome without importing the controller.
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.trace.stages import RetryCause, Stage
@@ -33,6 +34,7 @@ class IterationOutcome:
     saved_bytes: int = 0  # bytes autograd saved for backward in the completed attempt
     passive_swap_bytes: int = 0  # bytes passive swap moved in the completed attempt (0: none, or not known)
     failed_attempt_passive_swaps: int = 0  # passive swaps of the attempts that did not complete (never absorbed)
+    saved_bytes_by_layer: Mapping[int, int] = dataclasses.field(default_factory=dict)  # saved_bytes per layer (-1: none)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,7 @@ from chameleon_dist.policy.generator import generate_policies
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.outcome import IterationOutcome, RetryAction
+from chameleon_dist.policy.scaling import grown
 from chameleon_dist.policy.tightening import (
     GROWTH_TOLERANCE,
     MAX_IN_PLACE_TIGHTENINGS,
@@ -66,6 +67,7 @@ from chameleon_dist.policy.trials import (
     trial_held,
     trial_order,
 )
+from chameleon_dist.policy.variance import SavedBytesSpread
 from chameleon_dist.trace.stages import RetryCause, Stage, Transition, TransitionCause, Verdict
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
@@ -141,6 +143,9 @@ class PolicyController:
         self.headroom_bytes = 0  # how much one policy's peak moved between its trials, when one was chosen
         self._scaled_for = 1.0  # the chosen policy is made for this many times the trace's saved bytes
         self._trace_saved_bytes: dict[int, int] = {}  # saved bytes of the profiled iteration, by iteration
+        self._trace_saved_by_layer: dict[int, Mapping[int, int]] = {}  # ... per layer
+        self.spread = SavedBytesSpread()  # what the recent iterations saved per layer (``policy.variance``)
+        self._generated_for = 1.0  # the latest generation's trace was grown to this many times its saved bytes
         self._in_place_left = 0  # in-place tightenings the chosen policy may still take
         self._no_stricter_policy = False  # the last in-place tightening found no policy predicted lower
         self._trace: StepTrace | None = None  # what the latest generation worked from (compute-only times)
@@ -233,9 +238,11 @@ class PolicyController:
         if outcome.stage == Stage.WARMUP:  # the chosen policy is kept in WarmUp only while it holds as expected
             self._warmup_unsafe = bool(policy is not None and (outcome.oom_retries or (
                 outcome.passive_swaps and not self._expected_passive_swaps(policy, outcome))))
+        self.spread.note(outcome.saved_bytes_by_layer)
         if outcome.profiled:  # the stall and saved bytes of the iteration the next policies are built from
             self._trace_stall_s = {outcome.iteration: outcome.attempt_stall_s}
             self._trace_saved_bytes = {outcome.iteration: outcome.saved_bytes}
+            self._trace_saved_by_layer = {outcome.iteration: outcome.saved_bytes_by_layer}
         if outcome.stage != Stage.STABLE or policy is None or policy is not self.chosen:
             return "", absorbed, False
         failed = outcome.passive_swaps or outcome.peak_bytes > allowed
@@ -300,7 +307,7 @@ class PolicyController:
     def _growth(self, outcome: IterationOutcome) -> float:
         """The bytes ``outcome``'s iteration saved for backward over those of the latest generation's
         trace (1.0 when either is unknown)."""
-        traced = self._trace_saved_bytes.get(self._trace.iteration, 0) if self._trace is not None else 0
+        traced = self._trace_saved_bytes.get(self._trace.iteration, 0) * self._generated_for if self._trace else 0
         return outcome.saved_bytes / traced if traced and outcome.saved_bytes else 1.0
 
     def _settings_now(self) -> PolicySettings:
@@ -366,6 +373,8 @@ class PolicyController:
         if transition.after == Stage.WARMUP and transition.before != Stage.WARMUP:
             self._swap_all_iteration_s = None  # measured on another sequence: WarmUp measures it again
             self._swap_all_held = False
+        if transition.cause == TransitionCause.SEQUENCE_CHANGED:
+            self.spread.clear()  # a new program: what its predecessor saved is no expectation
         if transition.after == Stage.GEN_POLICY:
             self._need_policies = True
         elif transition.after == Stage.STABLE:
@@ -395,6 +404,7 @@ class PolicyController:
         self._min_swap_bytes = min_swap_bytes
         settings = self._settings_now()
         start = time.perf_counter()
+        trace = self._expecting_variance(trace)
         result = generate_policies(trace, settings)
         self._trace = trace
         self._needed_bytes = max(0, result.no_swap_peak_bytes - settings.budget_bytes)
@@ -417,6 +427,18 @@ class PolicyController:
         if best is not None and not best.feasible:
             logger.warning("no policy is predicted to fit the memory budget (%s); trying the closest ones, passive "
                            "swap taking the remainder", best.reason)
+
+    def _expecting_variance(self, trace: StepTrace) -> StepTrace:
+        """``trace`` grown to what each layer saved at most in the recent iterations (``policy.variance``):
+        the policies expect the routing and the shapes seen, not only the traced one's."""
+        by_layer, total = self.spread.worst_case(self._trace_saved_by_layer.get(trace.iteration, {}))
+        self._generated_for = total
+        if not by_layer:
+            return trace
+        logger.info("policies made for what the layers saved at most in the last %d iterations: up to %.2fx the "
+                    "traced iteration %d's bytes in a layer, %.2fx in all", len(self.spread),
+                    max(by_layer.values()), trace.iteration, total)
+        return grown(trace, total, by_layer)
 
     def _record_trial(self, outcome: IterationOutcome, held: bool, grew: bool) -> None:
         """One trial's outcome, fed back into the next generation (``policy.trials.trial_feedback``): op
