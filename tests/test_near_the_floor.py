@@ -90,14 +90,16 @@ def _summary(case: str, swapped: Trained, capacity: int, floor: int) -> str:
             f"{[(r.iteration, r.transition.reason) for r in reports if r.transition is not None]}")
 
 
-def _check(case: str, factor: float = FLOOR_FACTOR) -> None:
+def _check(case: str, factor: float = FLOOR_FACTOR, trial_retries: int = 0) -> None:
+    """``trial_retries``: out-of-memory retries allowed in GenPolicy trials (none anywhere else)."""
     swapped, plain, capacity, floor = _run_near_the_floor(case, factor)
     summary = _summary(case, swapped, capacity, floor)
     stages = _stages(swapped)
     first = stages.find("S")
     assert first == WARMUP + TRIALS, summary  # the first policy chosen, and no restart before it
     assert set(stages[first:]) == {"S"}, summary  # Stable from the first policy on
-    assert all(r.oom_retries == 0 for r in swapped.reports), summary
+    assert all(r.oom_retries == 0 for r in swapped.reports if r.stage != "gen_policy"), summary
+    assert sum(r.oom_retries for r in swapped.reports) <= trial_retries, summary
     assert all(not r.failed for r in swapped.reports), summary
     stable = [r for r in swapped.reports if r.stage == "stable"]
     assert sum(r.passive_swaps for r in stable) <= len(stable), summary
@@ -122,6 +124,14 @@ def test_a_transformers_llama_with_its_cache_near_its_floor_is_stable_from_the_f
     WarmUp; 1.4x: a Stable peak over the budget with no stricter policy predicted restarting it. Now Stable
     swaps everything in place when no stricter policy is predicted.)"""
     _check("hf_llama", factor)
+
+
+@pytest.mark.slow
+def test_closer_to_the_floor_a_trial_that_runs_out_of_memory_does_not_restart_the_warm_up():
+    """1.15x the floor: a trial's policy predicted to fit runs out of memory (the simulator is short by about
+    a MiB there); its retry swaps everything, and the next trials aim lower. (Before issue 27's fix each such
+    trial restarted WarmUp: WWGGWWGGGWWGGWWGWWGWWGWW, 6 out-of-memory retries, never Stable.)"""
+    _check("hf_llama", 1.15, trial_retries=1)
 
 
 def test_a_rebuild_counts_its_producers_other_outputs_at_the_op_it_runs_before():

@@ -272,3 +272,21 @@ def test_a_grown_trace_grows_what_the_iteration_allocated_and_nothing_else():
     assert max(more) > max(base) and all(m >= b for m, b in zip(more, base))
     assert max(more) - trace.start_live_bytes <= 1.5 * (max(base) - trace.start_live_bytes) + 1
     assert grown(trace, 1.0) is trace
+
+
+def test_a_trial_that_ran_out_of_memory_is_fed_back_and_the_trials_go_on():
+    """(Issue 27, item 3: before, its failed attempt's passive swaps sent the runtime back to WarmUp, which
+    profiled the same program again: a transformers Llama at 1.15x its swap floor cycled WWGGWWGGGWWGG...
+    with 6 out-of-memory retries; now WWGGGGG and Stable, 1 retry.)"""
+    controller, _ = _stable_on_the_job_trace(capacity_bytes=JOB_BUDGET + 8 * MIB, trial_peaks_mib=())
+    policy = controller.candidates[0]
+    controller.results = []
+    reserve = controller.reserve_bytes
+    controller.on_out_of_memory(policy, refused_bytes=0, min_swap_bytes=MIB)  # the retry swaps everything
+    trial = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_bytes=JOB_BUDGET - MIB, passive_swaps=2,
+                                oom_retries=1, failed_attempt_passive_swaps=5, passive_swap_bytes=2 * MIB)
+    verdict = controller.record(trial)
+    assert verdict.restart is None, verdict.reason
+    assert not controller.results[-1].held and controller.reserve_bytes > reserve, "stricter next trials"
+    stable = dataclasses.replace(trial, stage=Stage.STABLE)
+    assert controller.record(stable).restart == TransitionCause.PASSIVE_SWAP, "outside GenPolicy it still restarts"

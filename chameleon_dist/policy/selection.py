@@ -204,10 +204,12 @@ class PolicyController:
     def record(self, outcome: IterationOutcome) -> Verdict:
         """Account one completed iteration and judge it: the stage machine goes back to WarmUp
         (``Verdict.restart``) when, outside WarmUp, passive swaps were needed that no rule absorbs (those of
-        a failed attempt never are), or a Stable iteration went over what its policy must stay under and
-        could not be absorbed in place."""
+        a failed attempt only under a GenPolicy trial, whose failure is fed back to the next trials), or a
+        Stable iteration went over what its policy must stay under and could not be absorbed in place."""
         over_budget, absorbed, tightened = self._judge(outcome)
-        counted = (0 if absorbed else outcome.passive_swaps) + outcome.failed_attempt_passive_swaps
+        # a trial that failed is fed back and the trials go on (``_judge``): the trace is still this program's
+        trial = outcome.stage == Stage.GEN_POLICY and outcome.policy is not None
+        counted = (0 if absorbed else outcome.passive_swaps) + (0 if trial else outcome.failed_attempt_passive_swaps)
         absorbed_swaps = outcome.passive_swaps if absorbed else 0
         if counted and outcome.stage != Stage.WARMUP:
             return Verdict(TransitionCause.PASSIVE_SWAP, f"{counted} passive swap(s): the device ran out of memory",
@@ -227,8 +229,9 @@ class PolicyController:
             # a trial on a shape larger than the traced one that failed, failed for the shape: no feedback
             grew = self._growth(outcome) > 1 + GROWTH_TOLERANCE
             self._record_trial(outcome, held, grew)
-            # a trial's passive swaps are fed back (``_record_trial``); profiling again would swap everything
-            absorbed = bool(outcome.passive_swaps and not outcome.oom_retries)
+            # a trial's passive swaps are fed back (``_record_trial``), and so is its running out of memory (the
+            # retry made the next policies stricter): profiling the same program again would find the same ones
+            absorbed = bool(outcome.passive_swaps)
         if policy is None and not outcome.oom_retries:  # what the last resort measured, to compare trials with
             self._swap_all_iteration_s = outcome.iteration_s
             if outcome.stage == Stage.WARMUP:
