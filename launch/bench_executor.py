@@ -296,11 +296,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "measured forward time)")
     parser.add_argument("--hide-share", type=float, default=0.25,
                         help="without --capacity-fraction: share of the link's bytes in one forward pass to take off")
-    parser.add_argument("--min-swap-kib", type=float, default=128, help="min_swap_bytes in KiB")
+    parser.add_argument("--min-swap-kib", type=float, default=None, help="min_swap_bytes in KiB (default 128)")
     parser.add_argument("--prefetch-depth", type=int, default=2)
-    parser.add_argument("--policy-trials", type=int, default=5)
-    parser.add_argument("--warmup-rounds", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=16, help="timed rounds (a multiple of 4 balances the order)")
+    parser.add_argument("--policy-trials", type=int, default=None, help="default 5")
+    parser.add_argument("--warmup-rounds", type=int, default=None, help="default 3")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds (a multiple of 4 balances the order; default 16)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: on a shared 2-core machine two threads stall each other)")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -316,7 +317,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.shape = "small"
         for name, value in SHAPES["small"].items():
             setattr(args, name, value)
-        args.min_swap_kib, args.rounds, args.warmup_rounds, args.policy_trials = 4, 4, 1, 2
+    # --small's values for what the command line left unset (``--small --rounds 2`` runs 2 rounds), else these
+    for name, (default, small) in {"min_swap_kib": (128, 4), "rounds": (16, 4), "warmup_rounds": (3, 1),
+                                   "policy_trials": (5, 2)}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, small if args.small else default)
     if args.capacity_fraction is not None and not 0 < args.capacity_fraction <= 1 or args.hide_share <= 0 or args.rounds < 1 or args.hidden % args.heads:
         parser.error("need 0 < --capacity-fraction <= 1, --rounds >= 1 and --hidden divisible by --heads")
     args.min_swap_bytes = int(args.min_swap_kib * 1024)
