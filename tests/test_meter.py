@@ -140,3 +140,21 @@ def test_out_of_memory_message_says_whether_swapping_is_on():
     message = str(on.value)
     assert "swapping is on" in message and "nable" not in message
     assert "min_swap_bytes" in message and "device.capacity" in message
+
+
+def test_tensor_leaves_finds_what_pytree_finds_in_op_arguments_and_results():
+    from torch.utils._pytree import tree_leaves
+
+    from chameleon_dist.device.leaves import tensor_leaves
+
+    a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4)
+    structures = [
+        ((a, [b, 2.0, None], {"out": c, "dim": 1}), {}),
+        torch.max(torch.ones(2, 3), dim=1),  # a torch.return_types structseq
+        ([a, (b, [c])], {"x": [a]}),
+        (1, "s", torch.float32, None),
+    ]
+    for obj in structures:
+        expected = [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+        found = tensor_leaves(obj)
+        assert len(found) == len(expected) and all(x is y for x, y in zip(found, expected)), obj

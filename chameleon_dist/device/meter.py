@@ -18,9 +18,9 @@ from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from chameleon_dist.device.base import PressureHandler
+from chameleon_dist.device.leaves import tensor_leaves
 from chameleon_dist.device.simulated.memory import FRESH_FROM_DATA, EmulatedOutOfMemoryError, storage_key
 
 __all__ = ["EmulatedOutOfMemoryError", "StorageMeter", "storage_key"]
@@ -120,7 +120,7 @@ class StorageMeter(TorchDispatchMode):
 
     def _account_outputs(self, func, args, kwargs, out) -> None:
         counted = self._counted
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and counted(t)]
+        outputs = [t for t in tensor_leaves(out) if isinstance(t, torch.Tensor) and counted(t)]
         if not outputs:
             return
         input_keys: set[int] | None = None
@@ -175,7 +175,7 @@ def _has_storage_or_meta(t: torch.Tensor) -> bool:
 
 def _storage_keys(args, kwargs, counted=_has_storage) -> set[int]:
     keys = set()
-    for t in tree_leaves((args, kwargs)):
+    for t in tensor_leaves((args, kwargs)):
         if isinstance(t, torch.Tensor) and counted(t):
             keys.add(storage_key(t.untyped_storage()))
     return keys

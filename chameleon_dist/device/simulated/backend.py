@@ -12,9 +12,9 @@ import time
 from typing import Iterator
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from chameleon_dist.device.cost import KernelCostModel
+from chameleon_dist.device.leaves import tensor_leaves
 from chameleon_dist.device.model import DeviceModel
 from chameleon_dist.device.simulated.clock import DeviceClock, SimEvent, SimStream, link_pair
 from chameleon_dist.device.simulated.hazards import HazardChecker
@@ -214,14 +214,14 @@ class SimulatedBackend:
         out = func(*args, **kwargs)
         self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
         self.op_index += 1
-        outputs = _strided(tree_leaves(out))
+        outputs = _strided(tensor_leaves(out))
         inputs = None
         if outputs:
             allocator = self.allocator
             if func in FRESH_FROM_DATA:
                 fresh = allocator.new_storages(outputs, set)
             else:
-                inputs = _strided(tree_leaves((args, kwargs)))
+                inputs = _strided(tensor_leaves((args, kwargs)))
                 fresh = allocator.new_storages(outputs, lambda: {storage_key(t.untyped_storage()) for t in inputs})
             if fresh:
                 try:
@@ -238,7 +238,7 @@ class SimulatedBackend:
             self.kernel_busy_s += kernel_s
             if self.hazards.enabled:
                 self._check_kernel(func, stream, start_s, end_s, inputs if inputs is not None else
-                                   _strided(tree_leaves((args, kwargs))), outputs)
+                                   _strided(tensor_leaves((args, kwargs))), outputs)
         if self.cost.is_host_sync(func, args, kwargs):
             self.clock.wait_for(stream.ready_s)  # e.g. .item(): the host waits for the value
         return out
