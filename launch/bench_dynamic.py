@@ -127,6 +127,18 @@ def import_transformers():
     return transformers
 
 
+def mixtral_config(transformers, shape: dict, vocab: int, max_positions: int, experts_implementation: str):
+    """The ``transformers.MixtralConfig`` of a Mixtral case (``shape``: ``MIXTRAL`` or ``MIXTRAL_SMALL``): eager
+    attention, no cache, ``experts_implementation`` "eager" or "grouped_mm" (tests/test_dynamic_moe.py builds
+    the same)."""
+    return transformers.MixtralConfig(
+        vocab_size=vocab, hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=max_positions, num_local_experts=shape["experts"],
+        num_experts_per_tok=shape["top_k"], attn_implementation="eager", experts_implementation=experts_implementation,
+        use_cache=False)
+
+
 class MixtralLM(nn.Module):
     """A ``transformers.MixtralForCausalLM`` whose ``forward(tokens)`` returns the logits (no cache), so that the
     benchmark's closure (cross entropy on the logits) and Chameleon (attached to this wrapper) treat it like the
@@ -178,13 +190,7 @@ class Case:
         if self.mixtral is None:
             return GPT(args.vocab, args.hidden, args.heads, args.layers, **self.model_kwargs)
         transformers = import_transformers()
-        k = self.model_kwargs
-        config = transformers.MixtralConfig(
-            vocab_size=args.vocab, hidden_size=k["hidden"], intermediate_size=k["intermediate"],
-            num_hidden_layers=k["layers"], num_attention_heads=k["heads"], num_key_value_heads=k["kv_heads"],
-            max_position_embeddings=max(256, *self.seq_lengths), num_local_experts=k["experts"],
-            num_experts_per_tok=k["top_k"], attn_implementation="eager", experts_implementation=self.mixtral,
-            use_cache=False)
+        config = mixtral_config(transformers, self.model_kwargs, args.vocab, max(256, *self.seq_lengths), self.mixtral)
         return MixtralLM(transformers.MixtralForCausalLM(config).train())
 
     def batch(self, args: argparse.Namespace, step: int) -> torch.Tensor:

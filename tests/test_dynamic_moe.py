@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from chameleon_dist.device.emulated import EmulatedDevice
+from launch import bench_dynamic
 from launch.toy_gpt import GPT
 from tests.scenario_models import one_thread
 from tests.trained_runs import ForwardBackward, Trained, assert_bit_identical, next_token_step, stages, train
@@ -52,10 +53,7 @@ class Case:
 def _mixtral(experts_implementation: str) -> Callable[[], tuple[torch.nn.Module, ForwardBackward]]:
     def make() -> tuple[torch.nn.Module, ForwardBackward]:
         transformers = pytest.importorskip("transformers")
-        config = transformers.MixtralConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=4, max_position_embeddings=256, num_local_experts=32, num_experts_per_tok=2,
-            attn_implementation="eager", experts_implementation=experts_implementation, use_cache=False)
+        config = bench_dynamic.mixtral_config(transformers, bench_dynamic.MIXTRAL, VOCAB, 256, experts_implementation)
         model = transformers.MixtralForCausalLM(config).train()
 
         def forward_backward(tokens: torch.Tensor) -> torch.Tensor:

@@ -120,7 +120,8 @@ class PolicyMatcher:
         symbols, start = self._symbols, self._cursor
         symbol = site if self.by_site else key
         occurrence = self._occurrences.get(symbol, 0)
-        self._occurrences[symbol] = occurrence + 1
+        if self._siblings:  # (only a policy with expert sites has siblings to count for)
+            self._occurrences[symbol] = occurrence + 1
         stop = min(len(symbols), start + self._window + 1)
         for ordinal in range(start, stop):
             if symbols[ordinal] == symbol:

@@ -67,12 +67,10 @@ class LayerClock:
 
     def watch(self, model: nn.Module) -> None:
         for path, module in model.named_modules():
-            if is_layer_path(path):
-                module.register_forward_pre_hook(self._enter(self._stack, layer_of(path)))
-                module.register_forward_hook(self._leave(self._stack), always_call=True)
-            elif expert_of(path) >= 0:
-                module.register_forward_pre_hook(self._enter(self._experts, expert_of(path)))
-                module.register_forward_hook(self._leave(self._experts), always_call=True)
+            stack, index = (self._stack, layer_of(path)) if is_layer_path(path) else (self._experts, expert_of(path))
+            if index >= 0:
+                module.register_forward_pre_hook(self._enter(stack, index))
+                module.register_forward_hook(self._leave(stack), always_call=True)
 
     @staticmethod
     def _enter(stack: list[int], index: int):
