@@ -169,6 +169,10 @@ class _NonzeroBits:
     def _collect(self, wait: bool) -> None:
         waiting = []
         for positions, answer in self._answers:
+            if (answer if isinstance(answer, torch.Tensor) else answer.result).device.type == "meta":
+                if not isinstance(answer, torch.Tensor):  # sizes only (NOTE [Meta tensors]): none is known zero
+                    self._device.release_host(answer.result)
+                continue
             if isinstance(answer, torch.Tensor):  # no device copy: a host tensor already
                 values = answer.tolist() if answer.device.type == "cpu" or wait else None
             elif wait:  # (the caller synchronised the device: the copy has landed)

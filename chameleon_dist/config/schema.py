@@ -252,8 +252,20 @@ class DeviceConfig(_Section):
         "makes runs reproducible.",
     )
 
+    meta_tensors: bool = Field(
+        False, strict=True, description="Emulated device: the model's parameters and activations are meta tensors "
+        "(sizes, no data), for LLM shapes in simulation; memory and time are simulated from sizes.",
+        json_schema_extra=_hint("use true or false"),
+    )
+
     @model_validator(mode="after")
     def _compute_model_needs_emulated(self) -> "DeviceConfig":
+        if self.kind == "cuda" and self.meta_tensors:
+            raise PydanticCustomError(CUSTOM_ERROR, "{message}", {
+                "message": "meta tensors hold no data and run only on the emulated device: remove "
+                           "device.meta_tensors or use kind: emulated",
+                "field": "meta_tensors",
+            })
         given = [name for name in EMULATED_ONLY_SETTINGS if getattr(self, name) is not None]
         if self.kind == "cuda" and given:
             names = " and ".join(f"device.{name}" for name in given) + ("," if len(given) > 1 else "")

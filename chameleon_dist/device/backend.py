@@ -55,6 +55,7 @@ class Backend(Protocol):
 
     name: str
     emulated: bool
+    meta_tensors: bool  # the device's tensors are meta tensors (sizes only; the simulated backend's option)
     capacity_bytes: int
 
     def current_stream(self) -> BackendStream: ...

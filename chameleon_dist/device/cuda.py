@@ -163,6 +163,7 @@ class CudaBackend:
     streams and events, the caching allocator, exact-size pinned host buffers."""
 
     emulated = False
+    meta_tensors = False  # a GPU computes: a model on meta tensors is refused (StreamDevice.track_module)
 
     def __init__(self, capacity_bytes: int | None = None, device_index: int | None = None,
                  enforce_capacity: bool = False) -> None:

@@ -27,7 +27,9 @@ class EmulatedDevice(StreamDevice):
     compute figures are this CPU's measured rates (``cpu_flop_per_s`` skips measuring the matmul rate) and a
     link direction built without a bandwidth is instant (its ``*_bytes_per_s`` reads ``math.inf``).
     ``host_op_s``: fixed host seconds per op for runs that repeat exactly (None: the host's time is
-    measured). ``check_hazards``: raise ``StreamHazardError`` on a racing access (NOTE [Stream hazards])."""
+    measured). ``check_hazards``: raise ``StreamHazardError`` on a racing access (NOTE [Stream hazards]).
+    ``meta_tensors``: the model's tensors are meta tensors (sizes, no data): LLM shapes run through the same
+    runtime, timed and metered from sizes (NOTE [Meta tensors] in ``device/simulated/backend.py``)."""
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class EmulatedDevice(StreamDevice):
         duplex_factor: float | None = None,
         check_hazards: bool = True,
         model: DeviceModel | None = None,
+        meta_tensors: bool = False,
     ) -> None:
         if model is None:
             model = DeviceModel.resolve(
@@ -54,18 +57,22 @@ class EmulatedDevice(StreamDevice):
                 duplex_factor=duplex_factor,
             )
         self.model = model
-        backend = SimulatedBackend(int(capacity_bytes), model, check_hazards=check_hazards)
+        backend = SimulatedBackend(int(capacity_bytes), model, check_hazards=check_hazards, meta_tensors=meta_tensors)
         super().__init__(
             backend, host_memory_budget_bytes,
             d2h_bytes_per_s=math.inf if model.d2h_bytes_per_s is None else model.d2h_bytes_per_s,
             h2d_bytes_per_s=math.inf if model.h2d_bytes_per_s is None else model.h2d_bytes_per_s,
         )
-        described = f", {model.preset}" if model.preset else ""
+        described = (f", {model.preset}" if model.preset else "") + (", meta tensors" if meta_tensors else "")
         self.name = f"emulated ({format_bytes(self.capacity_bytes)}{described})"
         self.h2d = backend.h2d_link
         self.d2h = backend.d2h_link
         self.clock = backend.clock
         self.hazards = backend.hazards
+
+    @property
+    def meta_tensors(self) -> bool:
+        return self.backend.meta_tensors
 
     @property
     def preset(self) -> str | None:

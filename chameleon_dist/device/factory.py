@@ -27,11 +27,12 @@ def accelerator_is_cuda() -> bool:
 
 
 def make_device(config: "ChameleonConfig") -> Device:
-    """``device.kind``: "cuda", "emulated", or "auto" (CUDA when present, else the emulated device)."""
+    """``device.kind``: "cuda", "emulated", or "auto" (CUDA when present, else the emulated device; always the
+    emulated device with ``device.meta_tensors``, which a GPU cannot run)."""
     settings = config.device
     kind = settings.kind
     if kind == "auto":
-        kind = "cuda" if accelerator_is_cuda() else "emulated"
+        kind = "cuda" if accelerator_is_cuda() and not settings.meta_tensors else "emulated"
     host_budget_bytes = config.host_memory_budget_bytes()
     if kind == "cuda":
         from chameleon_dist.device.cuda import CudaDevice
@@ -50,4 +51,4 @@ def make_device(config: "ChameleonConfig") -> Device:
         logger.info("emulated device without device.capacity: memory is metered but never runs out")
         capacity_bytes = UNBOUNDED_CAPACITY_BYTES
     return EmulatedDevice(capacity_bytes=capacity_bytes, host_memory_budget_bytes=host_budget_bytes,
-                          model=DeviceModel.from_config(settings))
+                          model=DeviceModel.from_config(settings), meta_tensors=settings.meta_tensors)

@@ -49,6 +49,12 @@ REUSE_SLACK_FRACTION = 0.125
 """An idle buffer up to this fraction larger than a request may serve it (as a view of its start)."""
 
 
+def host_key(buffer: torch.Tensor) -> int:
+    """A lent host buffer's identity: its storage (a view lent from a larger buffer shares the larger one's, and
+    one buffer is lent once at a time). Not the data pointer: a meta-tensor device's buffers have none."""
+    return buffer.untyped_storage()._cdata
+
+
 def plain_host_allocator(nbytes: int) -> torch.Tensor:
     """Pageable host memory (the emulated device's host side)."""
     return torch.empty(nbytes, dtype=torch.uint8)
@@ -83,7 +89,7 @@ class HostBufferPool:
         self._idle: collections.OrderedDict[int, tuple[int, torch.Tensor]] = collections.OrderedDict()  # oldest first
         self._idle_by_size: dict[int, collections.deque[int]] = {}  # size -> stamps, oldest first
         self._idle_sizes: list[int] = []  # sorted sizes that have idle buffers
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> the larger buffer it views
+        self._lent: dict[int, torch.Tensor] = {}  # host_key of a lent view -> the larger buffer it views
         self._cycle_peak_bytes = 0
         self._recent_peaks_bytes: collections.deque[int] = collections.deque(maxlen=window_cycles)
         self.in_use_bytes = 0
@@ -145,7 +151,7 @@ class HostBufferPool:
                 if reused.numel() == nbytes:
                     return reused
                 view = reused[:nbytes]
-                self._lent[view.data_ptr()] = reused
+                self._lent[host_key(view)] = reused
                 return view
             sliced = self._take_arena_locked(nbytes)
             if sliced is not None:
@@ -170,7 +176,7 @@ class HostBufferPool:
     def release(self, buf: torch.Tensor) -> None:
         """Return a buffer obtained from ``acquire`` for reuse."""
         with self._lock:
-            base = self._lent.pop(buf.data_ptr(), None) if buf.numel() else None
+            base = self._lent.pop(host_key(buf), None) if buf.numel() else None
             if base is None:
                 base = buf
             nbytes = base.numel()

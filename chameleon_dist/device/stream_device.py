@@ -21,7 +21,7 @@ from torch import nn
 from chameleon_dist.device.backend import Backend
 from chameleon_dist.device.base import PressureHandler, byte_view
 from chameleon_dist.device.dispatch import DeviceDispatch
-from chameleon_dist.device.host_pool import HostBufferPool
+from chameleon_dist.device.host_pool import HostBufferPool, host_key
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class StreamDevice:
         self.dispatch = DeviceDispatch(backend)
         self._held_sources: deque[StreamCopyHandle] = deque()  # swap-outs whose source is held; issue order
         self._pending_host: list[tuple[torch.Tensor, Any]] = []  # (buffer, event of its last copy)
-        self._host_last_copy: dict[int, Any] = {}  # host buffer address -> done-event of its last copy
+        self._host_last_copy: dict[int, Any] = {}  # host buffer's storage -> done-event of its last copy
         self._stall_pairs: list[tuple[Any, Any]] = []
         self._stall_s = 0.0
 
@@ -149,6 +149,12 @@ class StreamDevice:
         """Count ``module``'s parameters and buffers as device memory (the simulated backend; the CUDA
         allocator counts them already) and warn about ones that live elsewhere."""
         tensors = list(itertools.chain(module.named_parameters(), module.named_buffers()))
+        on_meta = [name for name, tensor in tensors if tensor.device.type == "meta"]
+        if on_meta and not self.backend.meta_tensors:
+            raise ValueError(
+                f"{len(on_meta)} parameters/buffers of {type(module).__name__} are meta tensors (first: {on_meta[0]}), "
+                f"which hold no data: {self.name} cannot run them. To simulate a model on meta tensors, use "
+                "device.kind: emulated with device.meta_tensors: true (EmulatedDevice(meta_tensors=True))")
         for _, tensor in tensors:
             self.backend.track(tensor)
         elsewhere = [name for name, tensor in tensors if not self.is_device_tensor(tensor)]
@@ -204,7 +210,7 @@ class StreamDevice:
         self._h2d_stream.wait_stream(compute)  # the allocation (a possibly reused block) comes first
         previous = after.event if after is not None else None
         if previous is None and host.numel():
-            previous = self._host_last_copy.get(host.data_ptr())
+            previous = self._host_last_copy.get(host_key(host))
         if previous is not None and not previous.query():
             self._h2d_stream.wait_event(previous)  # its swap-out must have landed, even if never waited on
         with backend.use_stream(self._h2d_stream):
@@ -226,7 +232,7 @@ class StreamDevice:
     def release_host(self, host: torch.Tensor) -> None:
         """Back to the pool now if its last copy has completed, else once its done-event has fired (checked
         again in ``copy_to_host``, ``release_all_sources`` and ``synchronize``)."""
-        event = self._host_last_copy.pop(host.data_ptr(), None) if host.numel() else None
+        event = self._host_last_copy.pop(host_key(host), None) if host.numel() else None
         if event is None or event.query():
             self.host_pool.release(host)
         else:
@@ -330,7 +336,7 @@ class StreamDevice:
 
     def _note_host_copy(self, host: torch.Tensor, done) -> None:
         if host.numel():
-            self._host_last_copy[host.data_ptr()] = done
+            self._host_last_copy[host_key(host)] = done
 
     def _let_go_oldest_source(self) -> int:
         """Drop the device's hold on the oldest held swap-out source (its copy completed, or its stream was

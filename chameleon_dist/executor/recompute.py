@@ -216,17 +216,20 @@ class ProducerLog:
                 if packed is None:
                     return None  # an input is gone: cannot rebuild
                 packed_inputs[id(w)] = _Packed(packed, w)
-
-            def packed(value: Any) -> Any:
-                if isinstance(value, _Weak):
-                    return packed_inputs[id(value)]
-                if type(value) is list or type(value) is tuple:
-                    return type(value)(packed(v) for v in value)
-                return value
-
-            return Recipe(func, packed(args), {k: packed(v) for k, v in kwargs.items()},
+            return Recipe(func, _packed(args, packed_inputs), {k: _packed(v, packed_inputs) for k, v in kwargs.items()},
                           index if several else None, output)
         return None
+
+
+def _packed(value: Any, packed_inputs: dict[int, _Packed]) -> Any:
+    """``value`` with each weak tensor argument replaced by its packed form. (A module function, not a closure
+    calling itself: that closure, its cell and the packed inputs would form a reference cycle holding device
+    tensors until the garbage collector runs.)"""
+    if isinstance(value, _Weak):
+        return packed_inputs[id(value)]
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_packed(v, packed_inputs) for v in value)
+    return value
 
 
 def _refusal(func, args, kwargs, tensor: torch.Tensor, output: _Output, weak_inputs: list[_Weak],

@@ -18,7 +18,20 @@ from chameleon_dist.device.leaves import tensor_leaves
 from chameleon_dist.device.model import DeviceModel
 from chameleon_dist.device.simulated.clock import DeviceClock, SimEvent, SimStream, link_pair
 from chameleon_dist.device.simulated.hazards import HazardChecker
+from chameleon_dist.device.simulated.meta import FusedAttentionChoice, meta_host_buffer
 from chameleon_dist.device.simulated.memory import FRESH_FROM_DATA, SimAllocator, storage_key
+
+# NOTE [Meta tensors]
+# ~~~~~~~~~~~~~~~~~~~
+# With ``meta_tensors`` the device's tensors are meta tensors: sizes, strides and storages, no data. Everything
+# above the backend runs unchanged (profiler, policy, executor, hazard checker), because nothing there reads
+# data: a storage is known by its identity (``storage_key``, the StorageImpl, never a data pointer, which is 0
+# on meta), memory is metered from storage sizes, a kernel's time from its shapes, and a copy between a meta
+# device block and a meta host buffer moves no bytes but occupies its link for the bytes' time. So an LLM's
+# shapes run through the same code as a small real model, and take the same decisions (a test runs one model
+# both ways). Attention takes the fused kernel the real run takes (``meta.py``: on meta, torch would take the
+# math path). What cannot run on meta is what reads values: ``.item()``, ``nonzero`` and other outputs whose
+# shape depends on data (an MoE's routing must come from elsewhere), finiteness checks, and bit-identity.
 
 _aten = torch.ops.aten
 # ops that allocate or relabel memory but launch no kernel on a GPU
@@ -29,8 +42,10 @@ _NO_KERNEL = frozenset({
 })
 
 
-def _strided(leaves) -> list[torch.Tensor]:
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"]
+def _strided(leaves, device_type: str) -> list[torch.Tensor]:
+    """The strided tensors among ``leaves`` that live on ``device_type`` (the emulated device's tensors)."""
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided
+            and t.device.type == device_type]
 
 
 class SimulatedBackend:
@@ -41,12 +56,16 @@ class SimulatedBackend:
         model: the figures of the modelled accelerator (``DeviceModel``: roofline rates, launch latency,
             link rates, host cost per op or None for the measured host time).
         check_hazards: raise ``StreamHazardError`` on a racing access (on by default; NOTE [Stream hazards]).
+        meta_tensors: the device's tensors are meta tensors (sizes, no data: NOTE [Meta tensors]).
     """
 
     emulated = True
 
-    def __init__(self, capacity_bytes: int, model: DeviceModel, check_hazards: bool = True) -> None:
+    def __init__(self, capacity_bytes: int, model: DeviceModel, check_hazards: bool = True,
+                 meta_tensors: bool = False) -> None:
         self.capacity_bytes = int(capacity_bytes)
+        self.meta_tensors = bool(meta_tensors)
+        self.tensor_device = "meta" if meta_tensors else "cpu"
         self.model = model
         self.clock = DeviceClock()
         self.compute_stream = SimStream(self.clock, "compute")
@@ -129,7 +148,7 @@ class SimulatedBackend:
         self.allocator.reset_peak()
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu" and self.allocator.block_of(tensor.untyped_storage()) is not None
+        return tensor.device.type == self.tensor_device and self.allocator.block_of(tensor.untyped_storage()) is not None
 
     def track(self, tensor: torch.Tensor) -> None:
         self.allocator.track(tensor.untyped_storage(), self.current_stream())
@@ -140,8 +159,9 @@ class SimulatedBackend:
         if block is not None:
             block.recorded = (block.recorded or set()) | {stream}
 
-    def host_allocator(self) -> None:
-        return None  # plain CPU tensors (made inside ``host_side``)
+    def host_allocator(self):
+        """Plain CPU tensors (None: the pool's default); with meta tensors, meta host buffers (sizes only)."""
+        return meta_host_buffer if self.meta_tensors else None
 
     @contextlib.contextmanager
     def host_side(self) -> Iterator[None]:
@@ -155,7 +175,7 @@ class SimulatedBackend:
     def allocate(self, nbytes: int) -> torch.Tensor:
         self._host_work()
         with self.host_side():
-            tensor = torch.empty(nbytes, dtype=torch.uint8)
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.tensor_device)
         self.allocator.allocate([tensor.untyped_storage()], self.current_stream(), "a swap-in's allocation",
                                 self.op_index)
         return tensor
@@ -163,7 +183,8 @@ class SimulatedBackend:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         self.op_index = 0
-        yield
+        with FusedAttentionChoice() if self.meta_tensors else contextlib.nullcontext():
+            yield
         self.hazards.raise_pending()
 
     def random_state(self) -> None:
@@ -181,7 +202,8 @@ class SimulatedBackend:
         self.hazards.raise_pending()
         stream = self.current_stream()
         allocator = self.allocator
-        source_block = allocator.block_of(source.untyped_storage()) if source.device.type == "cpu" else None
+        source_block = (allocator.block_of(source.untyped_storage()) if source.device.type == self.tensor_device
+                        else None)
         destination_block = allocator.block_of(destination.untyped_storage())
         nbytes = destination.numel() * destination.element_size()
         if source_block is not None and destination_block is None:
@@ -214,14 +236,15 @@ class SimulatedBackend:
         out = func(*args, **kwargs)
         self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
         self.op_index += 1
-        outputs = _strided(tensor_leaves(out))
+        device_type = self.tensor_device
+        outputs = _strided(tensor_leaves(out), device_type)
         inputs = None
         if outputs:
             allocator = self.allocator
             if func in FRESH_FROM_DATA:
                 fresh = allocator.new_storages(outputs, set)
             else:
-                inputs = _strided(tensor_leaves((args, kwargs)))
+                inputs = _strided(tensor_leaves((args, kwargs)), device_type)
                 fresh = allocator.new_storages(outputs, lambda: {storage_key(t.untyped_storage()) for t in inputs})
             if fresh:
                 try:
@@ -238,7 +261,7 @@ class SimulatedBackend:
             self.kernel_busy_s += kernel_s
             if self.hazards.enabled:
                 self._check_kernel(func, stream, start_s, end_s, inputs if inputs is not None else
-                                   _strided(tensor_leaves((args, kwargs))), outputs)
+                                   _strided(tensor_leaves((args, kwargs)), device_type), outputs)
         if self.cost.is_host_sync(func, args, kwargs):
             self.clock.wait_for(stream.ready_s)  # e.g. .item(): the host waits for the value
         return out
