@@ -15,12 +15,14 @@ from chameleon_dist.device.presets import PRESETS, get_preset
 
 CPU_RATES = (2e11, 3e10)  # (FLOP/s, copy bytes/s) handed in: nothing is measured
 
-# Public figures (REFERENCE.md §3 and the vendors' datasheets): 16-bit dense peak, fp32 peak, HBM, link.
+# Public figures (REFERENCE.md §3, the vendors' datasheets, measured link rates): 16-bit dense peak, fp32
+# peak, HBM, link (H2D, D2H).
 EXPECTED = {
-    "a100-pcie": (312e12, 19.5e12, 1.935e12, 25e9),
-    "h100-pcie": (756e12, 51e12, 2.0e12, 55e9),
-    "h200": (989e12, 67e12, 4.8e12, 55e9),
-    "ascend-910b": (313e12, None, 1.6e12, 23e9),
+    "a100-pcie": (312e12, 19.5e12, 1.935e12, (25e9, 25e9)),
+    "h100-pcie": (756e12, 51e12, 2.0e12, (55e9, 55e9)),
+    "h200": (989e12, 67e12, 4.8e12, (55e9, 55e9)),
+    "gh200": (989e12, 67e12, 4.0e12, (375e9, 297e9)),  # NVLink-C2C: the two directions differ
+    "ascend-910b": (313e12, None, 1.6e12, (23e9, 23e9)),
 }
 
 
@@ -43,14 +45,19 @@ def test_each_preset_supplies_every_figure_with_its_source(name):
         assert model.peak_for(torch.float32) == fp32_peak
     assert model.peak_for(torch.float32) < model.peak_for(torch.bfloat16)  # fp32 without tensor cores
     assert model.memory_bytes_per_s == hbm
-    assert model.h2d_bytes_per_s == model.d2h_bytes_per_s == link  # real rates, not scaled to this CPU
+    assert (model.h2d_bytes_per_s, model.d2h_bytes_per_s) == link  # real rates, not scaled to this CPU
     assert 1e-6 <= model.launch_latency_s <= 10e-6  # a few microseconds
     assert 0 < model.duplex_factor < 1
     assert model.host_op_s is None  # the preset is the device: the host stays measured
     text = " ".join(model.sources)
-    for figure in ("float32", "bfloat16", "memory_bytes_per_s", "h2d", "launch_latency_s", "duplex_factor"):
+    for figure in ("float32", "bfloat16", "memory_bytes_per_s", "memory_bytes:", "h2d", "launch_latency_s",
+                   "duplex_factor"):
         assert figure in text, figure
     assert get_preset(name).device_model() == model
+
+
+def test_every_preset_is_checked_above():
+    assert {preset.name for preset in PRESETS} == set(EXPECTED)
 
 
 def test_peak_for_falls_back_to_default_for_dtypes_not_listed():

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KNOWN_PRESETS: tuple[str, ...] = ("ascend-910b", "h100-pcie", "a100-pcie", "h200")
+KNOWN_PRESETS: tuple[str, ...] = ("ascend-910b", "h100-pcie", "a100-pcie", "h200", "gh200")
 AUTO_DEVICE_FRACTION = 0.9
 AUTO_HOST_FRACTION = 0.5
 

@@ -3,7 +3,8 @@ VPP, EP, micro-batch), recomputation and Chameleon swapping trains fastest, and 
 
 Pure Python: a per-rank cost model (``memory``, ``timing``), the policy simulator for the swap option
 (``swap_model``), the layouts a world size allows (``space``), a layout search (``search``), comparison
-tables (``tables``) and the paper's comparison (``reproduce``). Profiles live in ``configs/models`` and
+tables (``tables``), the paper's comparison (``reproduce``) and one device's predictions per approach with
+the host link's physical bound (``single_device``). Profiles live in ``configs/models`` and
 ``configs/hardware``.
 """
 
@@ -25,6 +26,7 @@ from chameleon_dist.planner.profiles import (
     shipped_names,
 )
 from chameleon_dist.planner.search import Approach, Plan, PlanError, SearchResult, evaluate, search
+from chameleon_dist.planner.single_device import PhysicalBound, Prediction, physical_bound, predict_single_device
 from chameleon_dist.planner.space import SearchSpace
 from chameleon_dist.planner.timing import TimeBreakdown, iteration_time
 
@@ -33,5 +35,6 @@ __all__ = [
     "StageMemory", "layer_activations", "rank_peaks", "stage_memory", "stage_memory_swapping_everything",
     "HardwareProfile", "ModelProfile", "TrainingSetup", "load_hardware", "load_model", "load_profile", "shipped_names",
     "Approach", "Plan", "PlanError", "SearchResult", "SearchSpace", "evaluate", "search",
+    "PhysicalBound", "Prediction", "physical_bound", "predict_single_device",
     "TimeBreakdown", "iteration_time",
 ]

@@ -43,6 +43,11 @@ class Layout:
     recompute: RecomputeMode = RecomputeMode.NONE  # a RecomputeMode or its word
     recompute_layers: int = 0  # with BLOCK: layers of every chunk rebuilt
     swap: bool = False
+    # Whether the pipeline's first stage holds the embedding and its last stage the final norm, output layer
+    # and loss (Megatron's pre_process / post_process). Off only to price a slice of a larger pipeline,
+    # e.g. a middle stage's layers alone on one device (``single_device``); the search keeps both on.
+    pre_process: bool = True
+    post_process: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "micro_batch", "ep"):
@@ -59,6 +64,13 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    def holds_embedding(self, stage: int) -> bool:
+        return stage == 0 and self.pre_process
+
+    def holds_head(self, stage: int) -> bool:
+        """The final norm, output layer and loss run on ``stage``."""
+        return stage == self.pp - 1 and self.post_process
 
     def recomputed_layers(self, layers_per_chunk: int) -> int:
         """Layers of each model chunk rebuilt from their input in backward."""
@@ -84,6 +96,10 @@ class Layout:
             parts.append(_RECOMPUTE_LABELS[self.recompute])
         if self.swap:
             parts.append("swap")
+        if not self.pre_process:
+            parts.append("no-embedding")
+        if not self.post_process:
+            parts.append("no-head")
         return " ".join(parts)
 
     def to_dict(self) -> dict:

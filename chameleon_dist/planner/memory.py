@@ -188,11 +188,12 @@ def stage_params(model: ModelProfile, setup: TrainingSetup, layout: Layout, stag
     per_layer = (model.layer_dense_params() - norms) // tp + norms
     dense = layers * per_layer
     experts = layers * model.layer_expert_params() // (tp * layout.ep)
-    if stage == 0:
+    if layout.holds_embedding(stage):
         dense += model.embedding_params(setup.seq_length) // tp
-    if stage == layout.pp - 1:
+    if layout.holds_head(stage):
         dense += model.norm_params()
-        if not model.tie_embeddings or layout.pp > 1:  # a tied output layer keeps its own copy on the last stage
+        # a tied output layer keeps its own copy where the embedding is not
+        if not model.tie_embeddings or not layout.holds_embedding(stage):
             dense += model.vocab_size * model.hidden_size // tp
     return StageParams(dense, experts)
 
@@ -343,7 +344,7 @@ def _stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, sta
     if m < 1:
         raise ValueError(f"global_batch_size {setup.global_batch_size} is smaller than dp x micro_batch "
                          f"({layout.dp} x {layout.micro_batch}); raise global_batch_size")
-    last = stage == layout.pp - 1
+    last = layout.holds_head(stage)
     tp, b = layout.tp, layout.micro_batch
     acts = layer_activations(model, setup, tp, b, layout.recompute)
     chunks = in_flight_chunks(stage, layout.pp, layout.vpp, m)

@@ -164,7 +164,7 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
                   memory: StageMemory, timing: StageTiming) -> SwapEstimate:
     """Run the policy generator on the stage's trace; stall and peak as the simulator predicts them."""
     m = layout.num_micro_batches(setup.global_batch_size)
-    last = memory.stage == layout.pp - 1
+    last = layout.holds_head(memory.stage)
     budget = hardware.usable_bytes
     if budget <= memory.static_bytes + max(memory.forward_extra_bytes, memory.backward_extra_bytes):
         return SwapEstimate(memory.stage, False, 0.0, memory.peak_bytes, max(budget, 0), 0, 0,

@@ -170,7 +170,7 @@ def iteration_time(model: ModelProfile, hardware: HardwareProfile, setup: Traini
     m = layout.num_micro_batches(setup.global_batch_size)
     p, v = layout.pp, layout.vpp
     timing = stage_timing(model, hardware, setup, layout)
-    parts = timing.micro_batch_parts(with_head=True)  # the last stage is the slowest (it runs the head)
+    parts = timing.micro_batch_parts(with_head=layout.post_process)  # the last stage is the slowest (the head)
     per_mb = sum(parts.values())
     out = TimeBreakdown(**{name: m * value for name, value in parts.items()})
     out.bubble = (p - 1) / v * per_mb
