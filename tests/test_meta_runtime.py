@@ -112,6 +112,19 @@ def test_attention_on_meta_takes_the_fused_kernel_the_cpu_run_takes():
     assert "FlashAttention" in type(out.grad_fn).__name__, type(out.grad_fn).__name__
 
 
+def test_grouped_query_attention_on_meta_takes_the_fused_kernel_with_the_cpu_runs_saved_tensors():
+    """Fewer key/value heads (Llama2-70B's GQA-8): the fused kernel takes them as they are, on CPU and on meta."""
+    shapes = [(1, 8, 64, 16), (1, 2, 64, 16), (1, 2, 64, 16)]
+    results = []
+    for device_type in ("cpu", "meta"):
+        q, k, v = (torch.empty(s, device=device_type, requires_grad=True) for s in shapes)
+        device = EmulatedDevice(2**30, preset="h100-pcie", host_op_s=2e-5, meta_tensors=device_type == "meta")
+        with device.active():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        results.append((type(out.grad_fn).__name__, tuple(out.shape)))
+    assert results[0] == results[1] and "FlashAttention" in results[0][0], results
+
+
 def test_a_meta_model_on_a_device_without_meta_tensors_names_the_setting():
     with torch.device("meta"):
         model = GPT(VOCAB, HIDDEN, HEADS, LAYERS)

@@ -37,12 +37,12 @@ def fused_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                  enable_gqa=False) -> bool:
     """Whether the dispatcher would run this attention call's fused kernel on CPU tensors of these sizes."""
     tensors = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
-    if enable_gqa or not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
         return False
     stand_ins = [_cpu_stand_in(t) for t in tensors]
     mask = stand_ins[3] if attn_mask is not None else None
     choice = torch._fused_sdp_choice(*stand_ins[:3], attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                     scale=scale)
+                                     scale=scale, enable_gqa=enable_gqa)
     return choice == _FLASH_ON_CPU
 
 
@@ -61,4 +61,5 @@ class FusedAttentionChoice(TorchFunctionMode):
 
 
 def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The fused kernel as the CPU dispatch calls it (it takes fewer key/value heads as they are: ``enable_gqa``)."""
     return _flash_for_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
