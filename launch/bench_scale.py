@@ -25,7 +25,7 @@ from pathlib import Path
 
 from launch.scale_bound import link_bound
 from launch.scale_report import markdown, planner_predictions, plot, targets
-from launch.scale_runs import CASES, VARIANTS, Case, VariantRun, run_variant, settings_of
+from launch.scale_runs import CASES, VARIANTS, Case, VariantRun, model_state_bytes, run_variant, settings_of
 
 logger = logging.getLogger("bench_scale")
 
@@ -154,12 +154,13 @@ def run(args: argparse.Namespace) -> dict:
     case = _case(args)
     preset = args.preset_figures
     with megatron_meta_session():
+        state_bytes = model_state_bytes(case, args.seq_length)
+        if state_bytes > preset.memory_bytes:
+            raise BadInput(f"{case.describe(args.seq_length)}: its parameters and gradients alone "
+                           f"({state_bytes / 1e9:.1f} GB) exceed {args.preset}'s {preset.memory_bytes / 1e9:.0f} GB: "
+                           "choose fewer --layers or a larger --preset")
         reference = _run(case, "reference", None, args)
-        if reference.model_state_bytes > preset.memory_bytes:
-            raise BadInput(f"{case.describe(args.seq_length)}: its parameters alone "
-                           f"({reference.model_state_bytes / 1e9:.1f} GB) exceed {args.preset}'s "
-                           f"{preset.memory_bytes / 1e9:.0f} GB: choose fewer --layers or a larger --preset")
-        bound = link_bound(reference.trace, preset.d2h_bytes_per_s)
+        bound = link_bound(reference.saved_segments, reference.trace.layer_times_s, preset.d2h_bytes_per_s)
         alone = {v: _run(case, v, None, args) for v in ("megatron-selective", "megatron-full")
                  if v in args.variant_list or f"{v}+chameleon" in args.variant_list}
         rows = []

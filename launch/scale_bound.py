@@ -1,9 +1,10 @@
 """The host link's physical bound at a shape, from the emulated device's own roofline (``launch/bench_scale.py``).
 
 A swap can hide behind compute only while the forward pass still runs: the most a policy can take off the device
-without stalling is what the device-to-host link moves during the forward. From the reference run's detailed trace
-(no swap, no recomputation) this takes each micro-batch's forward layer by layer: the bytes each layer saves join a
-backlog, and during that layer's forward time (the device clock's, ``StepTrace.layer_times_s``) the link drains up to
+without stalling is what the device-to-host link moves during the forward. From the reference run (no swap, no
+recomputation: ``SavedBytesByLayer`` counts what it saves, its trace has each layer's forward time on the device
+clock) this takes each micro-batch's forward layer by layer: the bytes each layer saves join a
+backlog, and during that layer's forward time the link drains up to
 ``d2h_bytes_per_s`` x that time of it. What is left when the micro-batch's forward ends cannot move in its shadow. Bytes
 saved outside the layers (the embedding's, before the first layer) join the backlog first; the head's (after the last
 layer) get no forward time. The bound is optimistic in one way: a layer's bytes may start to move at its start."""
@@ -11,10 +12,10 @@ layer) get no forward time. The bound is optimistic in one way: a layer's bytes 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections import defaultdict
 
-from chameleon_dist.trace.step_trace import FORWARD, StepTrace
+import torch
 
 
 _BEFORE, _AFTER = -1, -2  # pseudo-layers of the ops outside the transformer layers
@@ -31,37 +32,74 @@ class LinkBound:
         return self.movable_bytes / self.saved_bytes if self.saved_bytes else 1.0
 
 
-def link_bound(trace: StepTrace, d2h_bytes_per_s: float) -> LinkBound:
-    """The bound for ``trace``'s iteration (see the module docstring)."""
-    ops = trace.ops
-    saved = {t.storage_id for t in trace.tensors if t.saved and not t.is_parameter}
-    by_micro_batch: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))  # mb -> layer -> bytes
-    order: dict[int, list[int]] = defaultdict(list)  # mb -> layers in forward order (-1 before the first)
-    saved_bytes = 0
-    for storage in trace.storages:
-        if storage.storage_id not in saved or storage.created_at < 0:
-            continue
-        op = ops[storage.created_at]
-        saved_bytes += storage.nbytes
-        if op.phase != FORWARD:
-            continue
-        layers = order[op.micro_batch]
-        if op.layer >= 0:
-            layer = op.layer
-        else:  # before the first layer (the embedding), or after the last one (the head): no layer time
-            layer = _BEFORE if all(seen == _BEFORE for seen in layers) else _AFTER
-        if layer not in by_micro_batch[op.micro_batch]:
-            layers.append(layer)
-        by_micro_batch[op.micro_batch][layer] += storage.nbytes
-    micro_batches = max(1, len(by_micro_batch))
-    movable_bytes = 0
-    for micro_batch, bytes_by_layer in by_micro_batch.items():
+class SavedBytesByLayer:
+    """Counts what autograd saves in each micro-batch's forward, by transformer layer (``layers`` of ``model``, in
+    order): ``saved_tensors_hooks`` that only count (each storage once, parameters excluded) and forward hooks. A
+    micro-batch starts with ``model``'s forward. ``segments``: per micro-batch, the ``(layer, bytes)`` in forward
+    order, ``_BEFORE``/``_AFTER`` for what was saved outside the layers."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+        self._model = model
+        self._layers = layers
+        self.segments: list[list[list[int]]] = []
+        self._seen: set[int] = set()
+        self._current = _BEFORE
+        self._hooks = []
+
+    def __enter__(self) -> "SavedBytesByLayer":
+        self._hooks.append(self._model.register_forward_pre_hook(self._enter_model))
+        for index, layer in enumerate(self._layers):
+            self._hooks.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, index)))
+            self._hooks.append(layer.register_forward_hook(functools.partial(self._leave_layer, index)))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._saved_hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._saved_hooks.__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
+
+    def _enter_model(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.segments.append([])
+            self._current = _BEFORE
+
+    def _enter_layer(self, index: int, module, args) -> None:
+        self._current = index
+
+    def _leave_layer(self, index: int, module, args, output) -> None:
+        self._current = _AFTER if index == len(self._layers) - 1 else index
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, torch.nn.Parameter) or getattr(tensor, "_is_param", False):
+            return tensor
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self._seen:
+            self._seen.add(key)
+            if not self.segments:
+                self.segments.append([])
+            segment = self.segments[-1]
+            if segment and segment[-1][0] == self._current:
+                segment[-1][1] += storage.nbytes()
+            else:
+                segment.append([self._current, storage.nbytes()])
+        return tensor
+
+
+def link_bound(segments: list[list[list[int]]], layer_times_s: dict[int, float], d2h_bytes_per_s: float) -> LinkBound:
+    """The bound (see the module docstring) for one iteration's ``SavedBytesByLayer.segments`` and the forward
+    time of each layer over the iteration (``StepTrace.layer_times_s``: every micro-batch's, summed)."""
+    micro_batches = max(1, len(segments))
+    saved_bytes = movable_bytes = 0
+    for segment in segments:
         backlog = 0.0
-        for layer in order[micro_batch]:
-            backlog += bytes_by_layer[layer]
-            layer_s = trace.layer_times_s.get(layer, 0.0) / micro_batches if layer >= 0 else 0.0
+        for layer, nbytes in segment:
+            saved_bytes += nbytes
+            backlog += nbytes
+            layer_s = layer_times_s.get(layer, 0.0) / micro_batches if layer >= 0 else 0.0
             moved = backlog if math.isinf(d2h_bytes_per_s) else min(backlog, d2h_bytes_per_s * layer_s)
             movable_bytes += moved
             backlog -= moved
-    forward_s = sum(trace.layer_times_s.values())
-    return LinkBound(saved_bytes, int(movable_bytes), forward_s)
+    return LinkBound(saved_bytes, int(movable_bytes), sum(layer_times_s.values()))

@@ -23,9 +23,9 @@ PAPER_SPEEDUP = 0.3894  # arXiv 2509.11076: "up to 38.94%" faster than recomputa
 def planner_predictions(case, args, reference, budgets: list[int]) -> dict:
     """``(variant, budget_bytes) -> {"iteration_s", "peak_bytes", "fits", "time_error", "peak_error"}`` from the
     planner for one device. The planner's peak counts a full mixed-precision model state (weights, fp32 gradients,
-    Adam); the simulated rank holds bf16 weights and the gradients backward makes. So the planner is given the
-    budget's room for activations (``budget - simulated model state + planner's static bytes``), and its peak is
-    reported as ``simulated model state + (predicted peak - predicted static)``."""
+    Adam); the simulated rank holds bf16 weights and the bf16 gradients backward makes. So the planner is given the
+    budget's room for activations (``budget - simulated weights and gradients + planner's static bytes``), and its
+    peak is reported as ``simulated weights and gradients + (predicted peak - predicted static)``."""
     from chameleon_dist.planner.profiles import load_model
     from chameleon_dist.planner.single_device import hardware_from_preset, predict_single_device
 
@@ -40,12 +40,13 @@ def planner_predictions(case, args, reference, budgets: list[int]) -> dict:
         return {}
     out = {}
     for budget in sorted(set(budgets)):
-        room = budget - reference.model_state_bytes + unbounded.static_bytes
+        state_bytes = 2 * reference.model_state_bytes  # weights and their gradients (one dtype)
+        room = budget - state_bytes + unbounded.static_bytes
         predicted = predict_single_device(profile, hardware, **common, budget_bytes=max(room, 1))
         for variant, approach in APPROACH_OF.items():
             p = predicted[approach]
             out[(variant, budget)] = {"iteration_s": p.iteration_s, "fits": p.fits, "stall_s": p.stall_s,
-                                      "peak_bytes": reference.model_state_bytes + p.peak_bytes - p.static_bytes}
+                                      "peak_bytes": state_bytes + p.peak_bytes - p.static_bytes}
     return out
 
 

@@ -10,6 +10,7 @@ with Megatron's distributed optimizer holds a 1/DP share of it) and no DDP gradi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -19,6 +20,7 @@ import torch
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.planner.profiles import load_model
+from launch.scale_bound import SavedBytesByLayer
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +76,14 @@ class VariantRun:
     stall_s: float = 0.0
     swap_out_bytes: int = 0
     recomputed_bytes: int = 0
-    saved_bytes: int = 0  # what autograd saved (the last detailed trace)
+    saved_bytes: int = 0  # what autograd saved (the last detailed trace; the reference: counted by its hooks)
     model_state_bytes: int = 0  # parameters on the device at the start
     stages: str = ""  # one letter per iteration: W(armUp), G(enPolicy), S(table), M(easured only)
     oom_retries: int = 0
     error: str = ""
     wall_s: float = 0.0
     trace: Any = None  # the last detailed StepTrace (not serialised)
+    saved_segments: list | None = None  # the reference: SavedBytesByLayer.segments of its last iteration
 
     @property
     def completed(self) -> bool:
@@ -101,6 +104,20 @@ def saved_bytes_of(trace) -> int:
     return sum(s.nbytes for s in trace.storages if s.storage_id in storages)
 
 
+def _build(case: Case, seq_length: int, micro_batch_size: int = 1, recompute: str | None = None):
+    from chameleon_dist.integrations.megatron.meta_models import build_meta_gpt
+
+    return build_meta_gpt(load_model(case.profile), num_layers=case.num_layers, pre_process=case.pre_process,
+                          post_process=case.post_process, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                          recompute=recompute)
+
+
+def model_state_bytes(case: Case, seq_length: int) -> int:
+    """What the device holds whatever the policy: the stage's parameters and their gradients (same dtype)."""
+    model = _build(case, seq_length)
+    return 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: str, seq_length: int,
                 micro_batches: int, micro_batch_size: int = 1, max_iterations: int = 14, stable_iterations: int = 2,
                 min_swap_bytes: int = 1 << 20) -> VariantRun:
@@ -109,16 +126,14 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
     ``megatron_meta_session``."""
     from chameleon_dist import Chameleon
     from chameleon_dist.integrations.megatron.install import install
-    from chameleon_dist.integrations.megatron.meta_models import build_meta_gpt, meta_schedule_step
+    from chameleon_dist.integrations.megatron.meta_models import meta_schedule_step
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     recompute, chameleon_on, may_recompute = settings_of(variant)
     capacity_bytes = UNBOUNDED_BYTES if budget_bytes is None or not chameleon_on else int(budget_bytes)
     run = VariantRun(variant, capacity_bytes)
     started_s = time.perf_counter()
-    model = build_meta_gpt(load_model(case.profile), num_layers=case.num_layers, pre_process=case.pre_process,
-                           post_process=case.post_process, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                           recompute=recompute)
+    model = _build(case, seq_length, micro_batch_size, recompute)
     device = EmulatedDevice(capacity_bytes, preset=preset, host_op_s=HOST_OP_S, meta_tensors=True)
     config: dict[str, Any] = {"enabled": chameleon_on, "min_swap_bytes": min_swap_bytes,
                               "executor": {"allow_recompute": may_recompute}}
@@ -143,8 +158,11 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
         for _ in range(max_iterations):
             for parameter in model.parameters():
                 parameter.grad = None
+            counting = SavedBytesByLayer(model, list(model.decoder.layers)) if variant == "reference" \
+                else contextlib.nullcontext()
             try:
-                runtime.run_iteration(step)
+                with counting:
+                    runtime.run_iteration(step)
             except torch.OutOfMemoryError as error:
                 run.error = str(error).splitlines()[0]
                 run.stages += "X"
@@ -158,13 +176,16 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
             run.oom_retries += report.oom_retries
             if runtime.last_trace is not None:
                 run.trace = runtime.last_trace
+            if isinstance(counting, SavedBytesByLayer):
+                run.saved_segments = counting.segments
             if not chameleon_on or report.stage == "stable":
                 done += 1
                 if done >= wanted:
                     break
     finally:
         integration.close()
-    run.saved_bytes = saved_bytes_of(run.trace)
+    run.saved_bytes = saved_bytes_of(run.trace) if run.saved_segments is None else \
+        sum(nbytes for segment in run.saved_segments for _, nbytes in segment)
     run.wall_s = time.perf_counter() - started_s
     logger.info("%s %s: %s, %.1f ms, peak %.2f GiB, %.1f s", case.name, variant, run.stages, run.iteration_s * 1e3,
                 run.peak_bytes / 2**30, run.wall_s)
