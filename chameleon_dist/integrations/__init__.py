@@ -21,14 +21,16 @@ def defined_patches() -> tuple[Patch, ...]:
     from chameleon_dist.integrations.deepspeed.cpu import CPU_PATCHES as DEEPSPEED_CPU_PATCHES
     from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES
     from chameleon_dist.integrations.megatron.lm_adaptor import LM_PATCHES
+    from chameleon_dist.integrations.megatron.meta_routing import META_PATCHES
     from chameleon_dist.integrations.megatron.schedule import SCHEDULE_PATCHES
 
-    return (*CPU_PATCHES, *SCHEDULE_PATCHES, *LM_PATCHES, *DEEPSPEED_CPU_PATCHES)
+    return (*CPU_PATCHES, *SCHEDULE_PATCHES, *LM_PATCHES, *META_PATCHES, *DEEPSPEED_CPU_PATCHES)
 
 
 def defined_instance_changes() -> tuple[InstanceChange, ...]:
     """Every change the integrations make on framework objects (definitions only; nothing is changed)."""
     from chameleon_dist.integrations.deepspeed.upstream import INSTANCE_CHANGES as DEEPSPEED_INSTANCE_CHANGES
     from chameleon_dist.integrations.hf.upstream import INSTANCE_CHANGES as HF_INSTANCE_CHANGES
+    from chameleon_dist.integrations.megatron.meta_routing import META_INSTANCE_CHANGES
 
-    return (*DEEPSPEED_INSTANCE_CHANGES, *HF_INSTANCE_CHANGES)
+    return (*DEEPSPEED_INSTANCE_CHANGES, *HF_INSTANCE_CHANGES, *META_INSTANCE_CHANGES)

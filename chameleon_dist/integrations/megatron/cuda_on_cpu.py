@@ -11,13 +11,14 @@ literals (e.g. in Megatron's pipeline schedules) into CPU; enter it only around 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from chameleon_dist.patching import Patch
+from chameleon_dist.patching import Patch, upstream_original
 
 _CPU = torch.device("cpu")
 _TORCH_VERSIONS = ">=2.6,<2.14"
@@ -30,6 +31,17 @@ def _make_current_device(original: Any) -> Any:
         return _CPU
 
     return current_device
+
+
+def _make_current_device_is(device: torch.device) -> Any:
+    def make_replacement(original: Any) -> Any:
+        def current_device() -> torch.device:
+            """Stand-in for torch.cuda.current_device answering a fixed device (installed by chameleon-dist)."""
+            return device
+
+        return current_device
+
+    return make_replacement
 
 
 def _make_get_rng_state(original: Any) -> Any:
@@ -90,12 +102,25 @@ CURRENT_DEVICE_IS_CPU = Patch(
     why=(
         "Megatron-core allocates with device=torch.cuda.current_device() (GlobalMemoryBuffer used by "
         "attention, KV/inference buffers, pipeline p2p shape exchange); on a CPU-only torch build the call "
-        "raises. Megatron looks it up on the torch.cuda module, so there is no Megatron attribute to patch."
+        "raises. Megatron looks it up on the torch.cuda module, so there is no Megatron attribute to patch. "
+        "Returns the CPU device (the meta device in a session for models on meta tensors: current_device_is)."
     ),
     remove_when="Megatron-core takes its device from a configurable accessor, or CPU runs are dropped",
     fingerprint="6e9804168a5c7f8c",
     make_replacement=_make_current_device,
 )
+
+def current_device_is(device: str | torch.device) -> Patch:
+    """:data:`CURRENT_DEVICE_IS_CPU` answering ``device``: the record itself for the CPU, else a copy bound to
+    ``device`` (the meta device, for Megatron models built on meta tensors: their workspaces, rotary tables and
+    buffers are then made on meta too). Same name, target and fingerprint: it is the same reviewed patch."""
+    device = torch.device(device)
+    if device == _CPU:
+        return CURRENT_DEVICE_IS_CPU
+    if device.type != "meta":
+        raise ValueError(f"current_device={str(device)!r}: the CPU shims answer the CPU or the meta device")
+    return dataclasses.replace(CURRENT_DEVICE_IS_CPU, make_replacement=_make_current_device_is(device))
+
 
 MEGATRON_RNG_GET_IS_CPU = Patch(
     name="megatron-cuda-rng-get-is-cpu",
@@ -212,6 +237,22 @@ CPU_PATCHES: tuple[Patch, ...] = (
     MEGATRON_ROUTER_GATING_LINEAR_ON_CPU,
     *OPTIMIZER_CPU_PATCHES,
 )
+
+
+def cpu_patches(current_device: str | torch.device = "cpu") -> tuple[Patch, ...]:
+    """:data:`CPU_PATCHES` with ``torch.cuda.current_device`` answering ``current_device`` (see
+    :func:`current_device_is`)."""
+    bound = current_device_is(current_device)
+    return tuple(bound if patch is CURRENT_DEVICE_IS_CPU else patch for patch in CPU_PATCHES)
+
+
+def shimmed_current_device() -> torch.device | None:
+    """The device the current-device shim answers while it is applied (:func:`current_device_is`); None when
+    ``torch.cuda.current_device`` is torch's own (which is then not called: it would initialise CUDA)."""
+    current = torch.cuda.current_device
+    if upstream_original(current) is current:
+        return None
+    return torch.device(current())
 
 
 def _is_cuda_device(value: Any) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from chameleon_dist.integrations.megatron.cuda_on_cpu import CPU_PATCHES
+from chameleon_dist.integrations.megatron.cuda_on_cpu import cpu_patches
 from chameleon_dist.models.shape import TransformerShape
 from chameleon_dist.patching import PatchSet, apply_patches
 
@@ -94,12 +94,15 @@ def megatron_cpu_session(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     expert_model_parallel_size: int = 1,
+    current_device: str | torch.device = "cpu",
 ) -> Iterator[CpuSession]:
     """Run Megatron-core on CPU: CPU patches, gloo process group, model-parallel state, RNG tracker.
 
     Under torchrun (``MASTER_ADDR``/``MASTER_PORT`` set) the gloo group spans every rank; else it is a
     group of one. The global CPU RNG is seeded with ``seed`` on entry and restored on exit. Everything created here is
     torn down on exit (also on error), so sessions can follow one another in the same process.
+    ``current_device="meta"``: the current-device shim answers the meta device (for models built on meta
+    tensors, ``meta_models.megatron_meta_session``).
     """
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
@@ -107,7 +110,7 @@ def megatron_cpu_session(
             "call parallel_state.destroy_model_parallel()) before entering a new one"
         )
     with contextlib.ExitStack() as stack:
-        patches = stack.enter_context(apply_patches(CPU_PATCHES))
+        patches = stack.enter_context(apply_patches(cpu_patches(current_device)))
         stack.enter_context(torch.random.fork_rng(devices=[]))
         torch.manual_seed(seed)
         created = _init_process_group(stack)
