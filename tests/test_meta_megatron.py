@@ -179,3 +179,33 @@ def test_the_session_answers_the_meta_device_and_undoes_it():
     assert shimmed_current_device() is None and not parallel_state.model_parallel_is_initialized()
     with gpt.megatron_cpu_session(seed=1):
         assert shimmed_current_device() == torch.device("cpu")
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_fused_attention_saves_no_score_matrix_also_when_megatron_recomputes_it(session, recompute):
+    """The default ``attention="fused"`` runs the fused kernel in forward and again where Megatron's recomputation
+    replays the attention in backward (no function mode is active there): no ``s x s`` softmax anywhere. Megatron's
+    own ``attention="local"`` materialises it (the reason the fused default exists)."""
+    from chameleon_dist.device.emulated import EmulatedDevice
+
+    device = EmulatedDevice(2**30, preset="h100-pcie", host_op_s=1e-5, meta_tensors=True)
+    seen = {}
+    for attention in ("fused", "local"):
+        model = meta_models.build_meta_gpt(TINY, seq_length=SEQ, recompute=recompute, attention=attention)
+        with device.active(), _OpNames() as names:
+            meta_models.meta_schedule_step(model, micro_batches=1)
+        seen[attention] = names.names
+    fused = [n for n in seen["fused"] if "flash_attention" in n]
+    assert len(fused) == TINY.num_layers * (3 if recompute else 2), fused  # forward, backward (and the replay)
+    assert not [n for n in seen["fused"] if "softmax" in n], "a softmax (score matrix) with fused attention"
+    assert [n for n in seen["local"] if "softmax" in n] and not [n for n in seen["local"] if "flash_attention" in n]

@@ -46,20 +46,23 @@ def fused_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     return choice == _FLASH_ON_CPU
 
 
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` with, on meta tensors, the kernel the same call on CPU would take. Modules
+    that may be recomputed in backward call this directly: a ``TorchFunctionMode`` is not active when autograd
+    replays a checkpointed forward, so ``FusedAttentionChoice`` covers only the first forward."""
+    with _disable_current_modes():
+        fused = fused_on_cpu(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if fused:
+        return _flash_for_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return _attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      enable_gqa=enable_gqa)
+
+
 class FusedAttentionChoice(TorchFunctionMode):
     """Attention on meta tensors takes the fused kernel where the same call on CPU would (module docstring).
     The question is asked with every dispatch mode set aside: no device, recorder or meter sees the stand-ins."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func is _attention:
-            with _disable_current_modes():
-                fused = fused_on_cpu(*args, **kwargs)
-            if fused:
-                return _fused(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _fused(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """The fused kernel as the CPU dispatch calls it (it takes fewer key/value heads as they are: ``enable_gqa``)."""
-    return _flash_for_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+            return attention(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))

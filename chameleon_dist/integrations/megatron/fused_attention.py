@@ -8,7 +8,9 @@ users train with Transformer Engine's fused (flash) attention instead, which sav
 output and a log-sum-exp per row. This module is a drop-in ``core_attention`` for Megatron's layer spec (its
 documented extension point; nothing of Megatron's is changed) that calls the fused kernel torch picks (on CPU
 and on the emulated device's meta tensors: ``_scaled_dot_product_flash_attention_for_cpu``, which saves the
-same tensors as a GPU's flash kernel). Grouped-query attention goes in as it is (``enable_gqa``: no repeated
+same tensors as a GPU's flash kernel). On meta tensors it calls the emulated device's choice directly
+(``device/simulated/meta.py``: also when Megatron's recomputation replays it in backward, where no function mode is
+active). Grouped-query attention goes in as it is (``enable_gqa``: no repeated
 keys and values). Causal masks only, no attention dropout, no query-key layer scaling, no packed sequences: anything else is
 refused.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from chameleon_dist.device.simulated.meta import attention as meta_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -42,7 +45,7 @@ class FusedDotProductAttention(DotProductAttention):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("FusedDotProductAttention takes no packed sequences and no attention bias")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # -> [b, heads, s, d] (views)
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                 enable_gqa=k.size(1) != q.size(1))
+        attend = meta_attention if q.device.type == "meta" else F.scaled_dot_product_attention
+        context = attend(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1))
         s, b = query.size(0), query.size(1)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)

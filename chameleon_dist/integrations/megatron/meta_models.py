@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu, shimmed_current_device
+from chameleon_dist.integrations.megatron.fused_attention import FusedDotProductAttention
 from chameleon_dist.integrations.megatron.gpt import (
     MOE_CPU_SETTINGS, CpuSession, megatron_cpu_session, transformer_config,
 )
@@ -69,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 META = torch.device("meta")
 RECOMPUTE_CHOICES = (None, "selective", "full")
+ATTENTION_CHOICES = ("fused", "local")
 _BUILD_ATTR = "chameleon_meta"  # chameleon-dist's own attribute on the models it builds
 
 
@@ -183,7 +185,7 @@ def _check_meta_routing_settings(settings: Mapping[str, Any]) -> None:
 def build_meta_gpt(profile: ModelProfile, *, num_layers: int | None = None, pre_process: bool = True,
                    post_process: bool = True, seq_length: int, micro_batch_size: int = 1,
                    recompute: str | None = None, dtype: torch.dtype = torch.bfloat16, moe_routing_seed: int = 0,
-                   **config_overrides: Any) -> GPTModel:
+                   attention: str = "fused", **config_overrides: Any) -> GPTModel:
     """A Megatron-core ``GPTModel`` of ``profile`` whose parameters are meta tensors, inside a
     :func:`megatron_meta_session` (TP1, PP1).
 
@@ -193,7 +195,9 @@ def build_meta_gpt(profile: ModelProfile, *, num_layers: int | None = None, pre_
     router included (as Megatron's ``Float16Module`` leaves them: ``module.bfloat16()``). ``recompute``: None,
     ``"selective"`` (Megatron's ``core_attn``) or ``"full"`` (uniform, one layer per checkpoint).
     ``micro_batch_size`` and ``seq_length`` are the defaults of :func:`meta_schedule_step`. An MoE profile's model
-    routes with a :class:`MetaRouting` seeded with ``moe_routing_seed``. ``config_overrides`` go to the
+    routes with a :class:`MetaRouting` seeded with ``moe_routing_seed``. ``attention``: ``"fused"`` (default:
+    ``FusedDotProductAttention``, what a GPU run with Transformer Engine's flash attention saves) or ``"local"``
+    (Megatron's own ``DotProductAttention``, which saves the s x s probabilities). ``config_overrides`` go to the
     ``TransformerConfig``.
     """
     _require_meta_session("build_meta_gpt")
@@ -209,6 +213,10 @@ def build_meta_gpt(profile: ModelProfile, *, num_layers: int | None = None, pre_
                                      **config_overrides)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     normalization=config.normalization)
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention={attention!r}: choose one of {', '.join(ATTENTION_CHOICES)}")
+    if attention == "fused":
+        spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
     with torch.device(META):
         model = GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=profile.vocab_size,
