@@ -32,7 +32,7 @@ logger = logging.getLogger("bench_scale")
 LIMIT_RATIO = 1.03
 """``--find-limit``: the slowest Chameleon swap-only may be against the reference."""
 
-QUICK = {"num_layers": 2, "seq_length": 256, "budgets": (0.9, 0.75), "micro_batches": 2, "limit_steps": 3}
+QUICK = {"num_layers": 2, "seq_length": 1024, "budgets": (0.95, 0.9), "micro_batches": 2, "limit_steps": 3}
 
 
 class BadInput(ValueError):
