@@ -134,3 +134,30 @@ def test_host_budget_refusal_returns_none():
     device = EmulatedDevice(capacity_bytes=10**9, host_memory_budget_bytes=1000)
     tensor = _device_storage(device, 1000)
     assert device.copy_to_host(tensor.untyped_storage()) is None
+
+
+def test_the_per_op_observer_hears_each_ops_kernel_seconds_when_on():
+    """``SimulatedBackend.op_times_s``: off (None) by default; a list hears every op in order, with the
+    kernel's device seconds (0.0 for ops without a kernel and for host-side work); they add up to the
+    compute stream's busy time."""
+    device = EmulatedDevice(capacity_bytes=10**9, **FIGURES)
+    backend = device.backend
+    assert backend.op_times_s is None
+    with device.active():
+        a = torch.ones(64, 64)
+    backend.op_times_s = times = []
+    busy_s = backend.kernel_busy_s
+    with device.active():
+        b = a @ a  # a kernel
+        c = b.view(-1)  # no kernel (a view)
+        d = torch.empty(8)  # no kernel (an allocation)
+        with backend.host_side():
+            c.sum()  # host-side work
+    assert len(times) == 4, times
+    assert times[0] > 0 and times[1:] == [0.0, 0.0, 0.0]
+    assert sum(times) == pytest.approx(backend.kernel_busy_s - busy_s)
+    backend.op_times_s = None
+    with device.active():
+        a + a
+    assert len(times) == 4, "off again: nothing appended"
+    del b, c, d

@@ -57,6 +57,12 @@ class SimulatedBackend:
             link rates, host cost per op or None for the measured host time).
         check_hazards: raise ``StreamHazardError`` on a racing access (on by default; NOTE [Stream hazards]).
         meta_tensors: the device's tensors are meta tensors (sizes, no data: NOTE [Meta tensors]).
+
+    ``op_times_s``: an optional per-op observer, None (off, the default) or a list to which every op that
+    completes through ``run_op`` appends its kernel's device seconds, in the order the ops ran: 0.0 for an op
+    that launches no kernel and for one run on the host side (``host_side``); an op that ran out of memory
+    appends nothing (its retry does). It sees every op of the dispatch, the ones a profiler above it hides
+    (the swap executor's own) too: ``launch/scale_eq1.py`` lines it up with a ``StepTrace``'s ops.
     """
 
     emulated = True
@@ -77,6 +83,7 @@ class SimulatedBackend:
         self.op_index = 0  # device ops of the current iteration (in out-of-memory messages)
         self.kernels = 0
         self.kernel_busy_s = 0.0  # device seconds the compute streams ran kernels
+        self.op_times_s: list[float] | None = None  # per-op observer (class docstring); None: off
         self._host_op_s = model.host_op_s
         self._wall_mark_s = time.perf_counter()
         self._local = threading.local()
@@ -229,7 +236,10 @@ class SimulatedBackend:
         on the current stream (or ``torch.OutOfMemoryError`` before anyone sees its outputs), its kernel
         occupies the stream for the roofline cost, and its accesses are checked for hazards."""
         if getattr(self._local, "paused", False):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self.op_times_s is not None:
+                self.op_times_s.append(0.0)  # (host-side work: no kernel)
+            return out
         self._host_work()
         self.hazards.raise_pending()
         stream = self.current_stream()
@@ -253,8 +263,12 @@ class SimulatedBackend:
                     del out, outputs, fresh  # the op's outputs never reach anyone (the error's frames hold this one)
                     raise
         if func in _NO_KERNEL:
+            if self.op_times_s is not None:
+                self.op_times_s.append(0.0)
             return out
         kernel_s = self.cost.kernel_s(func, args, kwargs, out)
+        if self.op_times_s is not None:
+            self.op_times_s.append(0.0 if kernel_s is None else kernel_s)
         if kernel_s is not None:
             start_s, end_s = stream.launch(kernel_s)
             self.kernels += 1
