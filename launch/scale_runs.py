@@ -190,3 +190,31 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
     logger.info("%s %s: %s, %.1f ms, peak %.2f GiB, %.1f s", case.name, variant, run.stages, run.iteration_s * 1e3,
                 run.peak_bytes / 2**30, run.wall_s)
     return run
+
+
+def megatron_eq1(case: Case, *, preset: str, seq_length: int, micro_batches: int) -> list[dict]:
+    """Eq. 1 against each op's simulated time (``launch.scale_eq1.eq1_rows``) for one profiled iteration of
+    ``case`` through Megatron's schedule, nothing swapped (inside a ``megatron_meta_session``)."""
+    from chameleon_dist.integrations.megatron.install import install
+    from chameleon_dist.integrations.megatron.meta_models import meta_schedule_step
+    from launch.scale_eq1 import eq1_rows, profile_iteration
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model = _build(case, seq_length)
+    device = EmulatedDevice(UNBOUNDED_BYTES, preset=preset, host_op_s=HOST_OP_S, meta_tensors=True)
+    integration = install(model, {"min_swap_bytes": 1 << 60}, device=device)  # profiled, nothing swapped
+    schedule = get_forward_backward_func()
+
+    def step():
+        integration.tracker.begin()
+        try:
+            return meta_schedule_step(model, micro_batches=micro_batches, seq_length=seq_length,
+                                      forward_backward_func=schedule)
+        finally:
+            integration.tracker.end()
+
+    try:
+        trace, op_times_s = profile_iteration(integration.runtime, step)
+    finally:
+        integration.close()
+    return eq1_rows(trace, op_times_s)
