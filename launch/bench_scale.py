@@ -32,6 +32,9 @@ logger = logging.getLogger("bench_scale")
 LIMIT_RATIO = 1.03
 """``--find-limit``: the slowest Chameleon swap-only may be against the reference."""
 
+LIMIT_SEARCH_OVER_BOUND = 1.5
+"""``--find-limit`` searches savings up to this multiple of the physical bound's."""
+
 QUICK = {"num_layers": 2, "seq_length": 1024, "budgets": (0.95, 0.9), "micro_batches": 2, "limit_steps": 3}
 
 
@@ -126,9 +129,11 @@ def _run(case: Case, variant: str, budget_bytes: int | None, args) -> VariantRun
 
 
 def find_limit(case: Case, args, reference: VariantRun, bound_movable_bytes: int) -> dict:
-    """Bisect the budget between the model state (cannot fit) and the unswapped peak (fits unswapped) for the
-    smallest one at which Chameleon swap-only fits within ``LIMIT_RATIO`` of the reference."""
-    low, high = reference.model_state_bytes, reference.peak_bytes
+    """Bisect the budget for the smallest one at which Chameleon swap-only fits within ``LIMIT_RATIO`` of the
+    reference, between the unswapped peak (fits unswapped) and ``LIMIT_SEARCH_OVER_BOUND`` times the bound's saving
+    below it (swap-only cannot hide more than the link moves: the steps go where the answer is)."""
+    high = reference.peak_bytes
+    low = max(reference.model_state_bytes, high - int(LIMIT_SEARCH_OVER_BOUND * max(bound_movable_bytes, 1 << 20)))
     best: VariantRun | None = None
     for step in range(args.limit_steps):
         budget = (low + high) // 2
@@ -177,7 +182,7 @@ def run(args: argparse.Namespace) -> dict:
                 else:
                     result = _run(case, variant, budget_bytes, args)
                 rows.append(_row(args, case, fraction, budget_bytes, result, reference, bound.share))
-        limit = find_limit(case, args, reference, bound.movable_bytes) if args.find_limit else None
+        limit = find_limit(case, args, reference, bound.movable_bytes_per_micro_batch) if args.find_limit else None
     predictions = planner_predictions(case, args, reference, [r["budget_bytes"] for r in rows])
     for row in rows:
         row["predicted"] = predictions.get((row["variant"], row["budget_bytes"]))
@@ -187,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         "reference": {"iteration_s": reference.iteration_s, "peak_bytes": reference.peak_bytes,
                       "model_state_bytes": reference.model_state_bytes, "saved_bytes": bound.saved_bytes},
         "bound": {"share": bound.share, "movable_bytes": bound.movable_bytes, "saved_bytes": bound.saved_bytes,
+                  "movable_bytes_per_micro_batch": bound.movable_bytes_per_micro_batch,
                   "forward_s": bound.forward_s, "d2h_bytes_per_s": preset.d2h_bytes_per_s},
         "rows": rows, "limit": limit,
     }

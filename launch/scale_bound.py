@@ -7,7 +7,10 @@ clock) this takes each micro-batch's forward layer by layer: the bytes each laye
 backlog, and during that layer's forward time the link drains up to
 ``d2h_bytes_per_s`` x that time of it. What is left when the micro-batch's forward ends cannot move in its shadow. Bytes
 saved outside the layers (the embedding's, before the first layer) join the backlog first; the head's (after the last
-layer) get no forward time. The bound is optimistic in one way: a layer's bytes may start to move at its start."""
+layer) get no forward time. The bound is optimistic in one way: a layer's bytes may start to move at its start.
+
+Memory peaks once per micro-batch (as its forward ends, with all its activations alive): what a budget can take
+off the peak is one micro-batch's movable bytes (``movable_bytes_per_micro_batch``), not the iteration's."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class LinkBound:
     saved_bytes: int  # what autograd saved in the iteration (parameters excluded)
     movable_bytes: int  # of those, what the link can move in the forward passes' shadow
     forward_s: float  # the layers' forward device time in the iteration
+    movable_bytes_per_micro_batch: int = 0  # the most one micro-batch's forward can move (the memory a peak can lose)
 
     @property
     def share(self) -> float:
@@ -93,7 +97,9 @@ def link_bound(segments: list[list[list[int]]], layer_times_s: dict[int, float],
     time of each layer over the iteration (``StepTrace.layer_times_s``: every micro-batch's, summed)."""
     micro_batches = max(1, len(segments))
     saved_bytes = movable_bytes = 0
+    per_micro_batch = []
     for segment in segments:
+        before = movable_bytes
         backlog = 0.0
         for layer, nbytes in segment:
             saved_bytes += nbytes
@@ -102,4 +108,5 @@ def link_bound(segments: list[list[list[int]]], layer_times_s: dict[int, float],
             moved = backlog if math.isinf(d2h_bytes_per_s) else min(backlog, d2h_bytes_per_s * layer_s)
             movable_bytes += moved
             backlog -= moved
-    return LinkBound(saved_bytes, int(movable_bytes), sum(layer_times_s.values()))
+        per_micro_batch.append(movable_bytes - before)
+    return LinkBound(saved_bytes, int(movable_bytes), sum(layer_times_s.values()), int(max(per_micro_batch, default=0)))

@@ -103,7 +103,8 @@ def markdown(result: dict) -> str:
         f"Reference (no swap, unbounded): {ref['iteration_s'] * 1e3:.1f} ms, peak {_gib(ref['peak_bytes'])} GiB "
         f"(model state {_gib(ref['model_state_bytes'])} GiB, saved {_gib(ref['saved_bytes'])} GiB). Physical bound: "
         f"the link moves {bound['share']:.1%} of the saved bytes ({_gib(bound['movable_bytes'])} GiB) in the "
-        f"forward's shadow ({bound['forward_s'] * 1e3:.1f} ms of layer forward at {bound['d2h_bytes_per_s'] / 1e9:.0f} GB/s).",
+        f"forward's shadow ({bound['forward_s'] * 1e3:.1f} ms of layer forward at {bound['d2h_bytes_per_s'] / 1e9:.0f} "
+        f"GB/s); at most {_gib(bound['movable_bytes_per_micro_batch'])} GiB off one micro-batch's peak.",
         "",
         "| budget | variant | fits | ratio | peak GiB | stall ms | moved | bound | moved/bound | stages "
         "| planner ms (err) | planner peak GiB (err) |",

@@ -61,6 +61,8 @@ def test_quick_targets_are_the_rows_arithmetic(quick):
     limit = result["limit"]
     assert limit["saved_bytes"] == result["reference"]["peak_bytes"] - limit["budget_bytes"]
     assert limit["ratio"] == pytest.approx(limit["saved_bytes"] / limit["bound_saved_bytes"])
+    assert limit["bound_saved_bytes"] == result["bound"]["movable_bytes_per_micro_batch"] > 0
+    assert limit["bound_saved_bytes"] * result["micro_batches"] >= result["bound"]["movable_bytes"] - result["micro_batches"]
     by = {(r["budget"], r["variant"]): r for r in result["rows"]}
     for entry in result["targets"]["per_budget"]:
         ours, full = by.get((entry["budget"], "chameleon-swap-recompute")), by.get((entry["budget"], "megatron-full"))

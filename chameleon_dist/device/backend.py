@@ -68,6 +68,10 @@ class Backend(Protocol):
 
     def new_event(self, timing: bool = False) -> BackendEvent: ...
 
+    def host_time_s(self) -> float:
+        """The host's clock now, in seconds (the simulated backend: its simulated host clock)."""
+        ...
+
     def elapsed_s(self, start: BackendEvent, end: BackendEvent) -> float:
         """Device seconds between two completed timing events."""
         ...

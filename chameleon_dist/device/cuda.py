@@ -12,6 +12,7 @@ import itertools
 import logging
 import mmap
 import os
+import time
 import weakref
 from collections.abc import Callable, Mapping
 
@@ -197,6 +198,10 @@ class CudaBackend:
 
     def use_stream(self, stream):
         return torch.cuda.stream(stream)
+
+    def host_time_s(self) -> float:
+        """The host's clock (seconds, monotonic)."""
+        return time.perf_counter()
 
     def new_event(self, timing: bool = False):
         return torch.cuda.Event(enable_timing=timing)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import weakref
 from collections import deque
 from typing import Any, Iterator
 
@@ -67,11 +68,36 @@ class EventTimer:
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
+        self._marks: dict[int, tuple[Any, float]] = {}  # id(mark) -> (its stream, the host's time at it)
+        self.waits: list[tuple[Any, Any, Any]] = []  # (start, end, stream) of each wait on a copy (the device's)
 
     def mark(self):
         event = self._backend.new_event(timing=True)
-        event.record(self._backend.current_stream())
+        stream = self._backend.current_stream()
+        event.record(stream)
+        self._marks[id(event)] = (stream, self._backend.host_time_s())
         return event
+
+    def compute_s(self, start, end) -> float:
+        """What the work between two marks costs without the waits on copies inside it: its device time less
+        those waits (``waits_s``), but never less than the host's own time between the marks (a host-bound span:
+        after a wait the device catches up with the host, and the gaps it would have idled in are gone)."""
+        span_s = self.elapsed_s(start, end) - self.waits_s(start, end)
+        host_s = self._marks[id(end)][1] - self._marks[id(start)][1] if id(start) in self._marks and \
+            id(end) in self._marks else 0.0
+        return max(span_s, host_s, 0.0)
+
+    def waits_s(self, start, end) -> float:
+        """Device seconds that ``start``'s stream sat waiting on copies between the two marks (both made before
+        the latest ``resolve``): a layer's compute time is its elapsed time less these (a swap's stall is the
+        policy's to predict, not the layer's to take)."""
+        stream = self._marks.get(id(start), (None, 0.0))[0]
+        elapsed_s = self._backend.elapsed_s
+        total_s = 0.0
+        for wait_start, wait_end, wait_stream in self.waits:
+            if wait_stream == stream and elapsed_s(start, wait_start) >= 0 and elapsed_s(wait_end, end) >= 0:
+                total_s += elapsed_s(wait_start, wait_end)
+        return total_s
 
     def resolve(self) -> None:
         self._backend.synchronize()
@@ -111,6 +137,7 @@ class StreamDevice:
         self._host_last_copy: dict[int, Any] = {}  # host buffer's storage -> done-event of its last copy
         self._stall_pairs: list[tuple[Any, Any]] = []
         self._stall_s = 0.0
+        self._timers: weakref.WeakSet[EventTimer] = weakref.WeakSet()  # live timers: each keeps the waits it saw
 
     # ---- link -------------------------------------------------------------------------------
     @property
@@ -270,8 +297,11 @@ class StreamDevice:
             allocator.swapping = handler is not None
 
     def timer(self) -> EventTimer:
-        """Timing events on this device's current stream (see ``EventTimer``)."""
-        return EventTimer(self.backend)
+        """Timing events on this device's current stream (see ``EventTimer``); it sees every wait on a copy made
+        while it lives (``EventTimer.waits_s``)."""
+        timer = EventTimer(self.backend)
+        self._timers.add(timer)
+        return timer
 
     def random_state(self) -> torch.Tensor | None:
         return self.backend.random_state()
@@ -321,6 +351,8 @@ class StreamDevice:
         stream.wait_event(event)
         end.record(stream)
         self._stall_pairs.append((start, end))
+        for timer in self._timers:
+            timer.waits.append((start, end, stream))
         if len(self._stall_pairs) > _STALL_PAIRS_BEFORE_FOLD:
             self._fold_completed_stalls()
 

@@ -210,7 +210,7 @@ class LayerTimes:
     directly gets the time until those are done too."""
 
     def __init__(self, timer: DeviceTimer) -> None:
-        self.timer = timer
+        self.timer = timer  # (a timer with ``compute_s``: its spans exclude the waits on copies, see ``resolve``)
         self._open: dict[int, tuple[object, object]] = {}  # layer -> (start mark, its input's grad node)
         self._forward: list[tuple[int, object, object]] = []  # (layer, start mark, end mark)
         self._backward: list[list] = []  # [layer, start mark or None, end mark or None]
@@ -250,7 +250,9 @@ class LayerTimes:
 
     def resolve(self) -> tuple[dict[int, float], dict[int, float]]:
         """Stop measuring, wait once for the device to reach every mark, and return ``(forward, backward)``
-        seconds per layer. A device that cannot synchronise (after a failed iteration) yields no times
+        seconds per layer: with a device timer, each span's ``compute_s`` (its device time less the time its
+        stream waited on copies inside it: WarmUp's release waits, a swap-in's wait; at least the host's own time
+        over it), so that calibration sees what the layer costs, not what the WarmUp policy made it wait. A device that cannot synchronise (after a failed iteration) yields no times
         rather than masking the iteration's own error."""
         self._closed = True
         self._remove_hooks()
@@ -262,11 +264,13 @@ class LayerTimes:
             logger.warning("layer times unavailable: the device could not synchronise (%s)", exc)
             return forward, backward
         elapsed_s = self.timer.elapsed_s
+        compute_s = getattr(self.timer, "compute_s", elapsed_s)  # (a device timer: without the waits on copies)
+
         for layer, start, end in self._forward:
-            forward[layer] = forward.get(layer, 0.0) + elapsed_s(start, end)
+            forward[layer] = forward.get(layer, 0.0) + compute_s(start, end)
         for layer, start, end in self._backward:
             if start is not None and end is not None:
-                backward[layer] = backward.get(layer, 0.0) + elapsed_s(start, end)
+                backward[layer] = backward.get(layer, 0.0) + compute_s(start, end)
         return forward, backward
 
     def _remove_hooks(self) -> None:

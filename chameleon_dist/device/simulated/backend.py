@@ -102,6 +102,10 @@ class SimulatedBackend:
         self.clock.advance_host(now_s - self._wall_mark_s)
         self._wall_mark_s = now_s
 
+    def host_time_s(self) -> float:
+        """The host's clock (simulated: the work counted so far)."""
+        return self.clock.host_s
+
     def restart_host_measurement(self) -> None:
         """With the measured host time (``host_op_s`` None), count the host's work from now on: the wall time
         since the mark was not its host's work (the CPU's eager computation of a kernel; a benchmark that
