@@ -175,3 +175,29 @@ def test_recomputation_leaves_no_reference_cycle_holding_device_memory():
         gc.enable()
     assert not left, f"{len(left)} tensors left in reference cycles: {[tuple(t.shape) for t in left]}"
     assert not names, f"objects left in reference cycles: {names}"
+
+
+def _llama_layer_times(config: dict, link_bytes_per_s: float) -> dict[int, float]:
+    from chameleon_dist.models.llama import LlamaShape, build_llama
+
+    shape = LlamaShape(num_layers=2, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=5632, vocab_size=512,
+                       seq_length=2048, micro_batch_size=2)  # kernel-bound: ~6 ms of kernels a layer, ~1 ms of host
+    model = build_llama(shape)
+    device = EmulatedDevice(2**40, preset="h100-pcie", host_op_s=1e-5, meta_tensors=True,
+                            h2d_bytes_per_s=link_bytes_per_s, d2h_bytes_per_s=link_bytes_per_s)
+    runtime = Chameleon({"min_swap_bytes": 1 << 16, **config}, device=device)
+    runtime.attach(model)
+    tokens = torch.zeros(2, 2048, dtype=torch.long, device="meta")
+    runtime.run_iteration(lambda: model(tokens, tokens).backward())
+    return runtime.last_trace.layer_times_s
+
+
+def test_warmup_layer_times_leave_out_the_waits_on_its_copies():
+    """WarmUp swaps every saved tensor and orders the compute stream after each copy: the layer times it records
+    (what the generator calibrates with) must be the layers' own cost, not the waits. Before, on a kernel-bound
+    model over a slow link, they were several times the measured-only run's."""
+    measured = _llama_layer_times({"enabled": False}, 5e9)
+    warmup = _llama_layer_times({}, 5e9)
+    assert measured and set(warmup) == set(measured)
+    for layer, seconds in measured.items():
+        assert warmup[layer] == pytest.approx(seconds, rel=0.05), (layer, warmup[layer], seconds)
