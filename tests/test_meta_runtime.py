@@ -201,3 +201,22 @@ def test_warmup_layer_times_leave_out_the_waits_on_its_copies():
     assert measured and set(warmup) == set(measured)
     for layer, seconds in measured.items():
         assert warmup[layer] == pytest.approx(seconds, rel=0.05), (layer, warmup[layer], seconds)
+
+
+def test_policies_are_generated_from_compute_only_layer_times():
+    """``compute_only`` takes the swap-everything iteration's stall out of the trace's iteration time, but the
+    measured layer times are compute only already (``LayerTimes.resolve``): they must not shrink by the stall's
+    share again (which made Llama2-7B's forward look a third of its length, and no policy fit at 94%)."""
+    import dataclasses
+
+    from chameleon_dist.policy.trials import compute_only
+    from tests.policy_traces import layered_trace
+
+    trace = dataclasses.replace(layered_trace([[100, 200], [100, 200]], iteration_s=3.0),
+                                layer_times_s={0: 0.4, 1: 0.5})
+    plain = compute_only(trace, stall_s=2.0, time_scale=1.0)
+    assert plain.iteration_s == pytest.approx(1.0)
+    assert plain.layer_times_s == {0: 0.4, 1: 0.5}
+    scaled = compute_only(trace, stall_s=2.0, time_scale=1.5)
+    assert scaled.iteration_s == pytest.approx(1.5)
+    assert scaled.layer_times_s == pytest.approx({0: 0.6, 1: 0.75})

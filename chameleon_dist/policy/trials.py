@@ -83,13 +83,14 @@ def compute_only(trace: StepTrace, stall_s: float, time_scale: float) -> StepTra
     """``trace`` with every time scaled to compute only, which is what the trials' policies are generated
     from: the profiled iteration's ``stall_s`` were the swap-everything executor's waits, and
     ``time_scale`` is what earlier trials measured of the trace's op times (``trial_feedback``). Measured
-    layer times shrink alike (they carry the detailed recorder's cost and the forward pass's share of the
-    stalls too)."""
+    layer times are compute only already (``LayerTimes.resolve`` leaves out the waits on copies inside each
+    layer): they take ``time_scale`` alone. (Shrinking them by the iteration's stall share too made Llama2-7B's
+    forward look a third of its length to the generator, which then found no policy to fit.)"""
     compute_s = max(trace.iteration_s - stall_s, trace.iteration_s * MIN_COMPUTE_SHARE)
     scale = compute_s * time_scale / max(trace.iteration_s, 1e-12)
     return dataclasses.replace(
         trace, iteration_s=trace.iteration_s * scale,
-        layer_times_s={layer: t * scale for layer, t in trace.layer_times_s.items()},
+        layer_times_s={layer: t * time_scale for layer, t in trace.layer_times_s.items()},
     )
 
 
