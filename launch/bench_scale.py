@@ -120,6 +120,7 @@ def _row(args, case: Case, fraction: float, budget_bytes: int, run: VariantRun, 
         "share_over_bound": moved_share / bound_share if bound_share else None,
         "swap_out_bytes": run.swap_out_bytes, "recomputed_bytes": run.recomputed_bytes,
         "saved_bytes": run.saved_bytes, "stages": run.stages, "oom_retries": run.oom_retries, "error": run.error,
+        "passive_swaps": run.passive_swaps, "figure_lag": run.figure_lag,
     }
 
 

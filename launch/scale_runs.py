@@ -80,6 +80,8 @@ class VariantRun:
     model_state_bytes: int = 0  # parameters on the device at the start
     stages: str = ""  # one letter per iteration: W(armUp), G(enPolicy), S(table), M(easured only)
     oom_retries: int = 0
+    figure_lag: int = 0  # iterations the reported time lags the last one (IterationReport.iteration_s_lag)
+    passive_swaps: int = 0
     error: str = ""
     wall_s: float = 0.0
     trace: Any = None  # the last detailed StepTrace (not serialised)
@@ -151,6 +153,7 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
                                       micro_batch_size=micro_batch_size, forward_backward_func=schedule)
         finally:
             integration.tracker.end()
+            device.backend.synchronize()  # a training loop's loss.item(): the host waits for the device once
 
     wanted = stable_iterations if chameleon_on else 2
     done = 0
@@ -171,9 +174,14 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
             run.error = ""
             run.stages += {"warmup": "W", "gen_policy": "G", "stable": "S"}.get(report.stage, "?") if chameleon_on \
                 else "M"
+            # (a Stable iteration reports the newest iteration the device had finished when it ended: with the
+            # host waiting once per step that is the previous one, NOTE [Stable iterations never wait for their
+            # own figures]; so only the second Stable iteration's figure is a Stable iteration's own)
             run.iteration_s, run.peak_bytes, run.stall_s = report.iteration_s, report.peak_device_bytes, report.stall_s
+            run.figure_lag = report.iteration_s_lag
             run.swap_out_bytes, run.recomputed_bytes = report.swaps.swap_out_bytes, report.swaps.recomputed_bytes
             run.oom_retries += report.oom_retries
+            run.passive_swaps = report.swaps.passive_swaps
             if runtime.last_trace is not None:
                 run.trace = runtime.last_trace
             if isinstance(counting, SavedBytesByLayer):
