@@ -120,16 +120,35 @@ def model_state_bytes(case: Case, seq_length: int) -> int:
     return 2 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def schedule_step(integration, model, device, *, micro_batches: int, seq_length: int, micro_batch_size: int = 1):
+    """One iteration's closure: Megatron's schedule over ``micro_batches`` meta micro-batches, followed by
+    ``integration``'s micro-batch tracker (a ``MegatronChameleon``'s), ending with the host waiting for ``device`` once
+    (a training loop's ``loss.item()``: without it the host runs iterations ahead of the device, and a Stable
+    report shows an older iteration's time, NOTE [Stable iterations never wait for their own figures])."""
+    from chameleon_dist.integrations.megatron.meta_models import meta_schedule_step
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    schedule = get_forward_backward_func()
+
+    def step():
+        integration.tracker.begin()
+        try:
+            return meta_schedule_step(model, micro_batches=micro_batches, seq_length=seq_length,
+                                      micro_batch_size=micro_batch_size, forward_backward_func=schedule)
+        finally:
+            integration.tracker.end()
+            device.backend.synchronize()
+
+    return step
+
+
 def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: str, seq_length: int,
                 micro_batches: int, micro_batch_size: int = 1, max_iterations: int = 14, stable_iterations: int = 2,
                 min_swap_bytes: int = 1 << 20) -> VariantRun:
     """Run ``variant`` of ``case`` on a device of ``budget_bytes`` (None: unbounded) until ``stable_iterations``
     Stable iterations (Chameleon) or 2 measured ones (alone), at most ``max_iterations``. Inside a
     ``megatron_meta_session``."""
-    from chameleon_dist import Chameleon
     from chameleon_dist.integrations.megatron.install import install
-    from chameleon_dist.integrations.megatron.meta_models import meta_schedule_step
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     recompute, chameleon_on, may_recompute = settings_of(variant)
     capacity_bytes = UNBOUNDED_BYTES if budget_bytes is None or not chameleon_on else int(budget_bytes)
@@ -144,17 +163,8 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
     integration = install(model, config, device=device)
     runtime = integration.runtime
     run.model_state_bytes = device.live_bytes()
-    schedule = get_forward_backward_func()
-
-    def step():
-        integration.tracker.begin()
-        try:
-            return meta_schedule_step(model, micro_batches=micro_batches, seq_length=seq_length,
-                                      micro_batch_size=micro_batch_size, forward_backward_func=schedule)
-        finally:
-            integration.tracker.end()
-            device.backend.synchronize()  # a training loop's loss.item(): the host waits for the device once
-
+    step = schedule_step(integration, model, device, micro_batches=micro_batches, seq_length=seq_length,
+                         micro_batch_size=micro_batch_size)
     wanted = stable_iterations if chameleon_on else 2
     done = 0
     try:
@@ -204,23 +214,12 @@ def megatron_eq1(case: Case, *, preset: str, seq_length: int, micro_batches: int
     """Eq. 1 against each op's simulated time (``launch.scale_eq1.eq1_rows``) for one profiled iteration of
     ``case`` through Megatron's schedule, nothing swapped (inside a ``megatron_meta_session``)."""
     from chameleon_dist.integrations.megatron.install import install
-    from chameleon_dist.integrations.megatron.meta_models import meta_schedule_step
     from launch.scale_eq1 import eq1_rows, profile_iteration
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model = _build(case, seq_length)
     device = EmulatedDevice(UNBOUNDED_BYTES, preset=preset, host_op_s=HOST_OP_S, meta_tensors=True)
     integration = install(model, {"min_swap_bytes": 1 << 60}, device=device)  # profiled, nothing swapped
-    schedule = get_forward_backward_func()
-
-    def step():
-        integration.tracker.begin()
-        try:
-            return meta_schedule_step(model, micro_batches=micro_batches, seq_length=seq_length,
-                                      forward_backward_func=schedule)
-        finally:
-            integration.tracker.end()
-
+    step = schedule_step(integration, model, device, micro_batches=micro_batches, seq_length=seq_length)
     try:
         trace, op_times_s = profile_iteration(integration.runtime, step)
     finally:
