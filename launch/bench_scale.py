@@ -121,6 +121,8 @@ def _row(args, case: Case, fraction: float, budget_bytes: int, run: VariantRun, 
         "swap_out_bytes": run.swap_out_bytes, "recomputed_bytes": run.recomputed_bytes,
         "saved_bytes": run.saved_bytes, "stages": run.stages, "oom_retries": run.oom_retries, "error": run.error,
         "passive_swaps": run.passive_swaps, "figure_lag": run.figure_lag,
+        # (a Chameleon run that did not end in Stable reports a WarmUp or GenPolicy iteration's figure)
+        "settled": run.stages.endswith("M") or run.stages.endswith("SS"),
     }
 
 

@@ -119,7 +119,8 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {row['budget']:.2f} ({_gib(row['budget_bytes'])}) | {row['variant']} | {'yes' if row['fits'] else 'no'} "
             f"| {ratio} | {_gib(row['peak_bytes'])} | {row['stall_s'] * 1e3:.1f} | {row['moved_share']:.1%} "
-            f"| {row['bound_share']:.1%} | {over} | {row['stages'] or row['error'][:30]} | {planner_time} | {planner_peak} |")
+            f"| {row['bound_share']:.1%} | {over} | {row['stages'] + ('' if row['settled'] else ' (not settled)') if row['stages'] else row['error'][:30]} "
+            f"| {planner_time} | {planner_peak} |")
     limit = result.get("limit")
     if limit:
         lines += ["", f"Limit (Chameleon swap-only within {result['targets']['limit_ratio']}x): budget "

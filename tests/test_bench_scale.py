@@ -50,6 +50,8 @@ def test_quick_rows_follow_from_their_runs(quick):
         if row["fits"]:
             assert row["peak_bytes"] <= row["budget_bytes"]
             assert row["ratio"] == pytest.approx(row["iteration_s"] / reference["iteration_s"])
+        if row["variant"].startswith("chameleon-") and row["fits"]:
+            assert row["settled"] == row["stages"].endswith("SS"), row
         if row["variant"] == "reference":
             assert row["ratio"] == 1.0 and row["moved_share"] == 0.0
             assert row["fits"] == (reference["peak_bytes"] <= row["budget_bytes"])
