@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -158,7 +159,7 @@ class Chameleon:
             profiler.cosine_threshold,
             self.device.live_bytes,
             self.device.emulated,
-            timer=self.device.timer,
+            timer=functools.partial(self.device.timer, keep_waits=True),  # (layer times without copy waits)
         )
         self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes)
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()

@@ -242,9 +242,10 @@ class Device(Protocol):
         """Wait for every copy started so far."""
         ...
 
-    def timer(self) -> DeviceTimer:
+    def timer(self, keep_waits: bool = False) -> DeviceTimer:
         """A timer of this device's work (layer times in detailed traces): CUDA events on a GPU, the host
-        clock where the host runs the work. One per iteration; see ``DeviceTimer``."""
+        clock where the host runs the work. One per iteration; see ``DeviceTimer``. ``keep_waits``: its spans can
+        leave out the waits on copies inside them (``EventTimer.compute_s``)."""
         ...
 
     def random_state(self) -> torch.Tensor | None:

@@ -296,11 +296,13 @@ class StreamDevice:
         if allocator is not None:
             allocator.swapping = handler is not None
 
-    def timer(self) -> EventTimer:
-        """Timing events on this device's current stream (see ``EventTimer``); it sees every wait on a copy made
-        while it lives (``EventTimer.waits_s``)."""
+    def timer(self, keep_waits: bool = False) -> EventTimer:
+        """Timing events on this device's current stream (see ``EventTimer``). With ``keep_waits`` (a detailed
+        trace's layer times) it also keeps every wait on a copy made while it lives (``EventTimer.waits_s``); the
+        runtime's iteration timers do not (a host running many iterations ahead would keep them all)."""
         timer = EventTimer(self.backend)
-        self._timers.add(timer)
+        if keep_waits:
+            self._timers.add(timer)
         return timer
 
     def random_state(self) -> torch.Tensor | None:
