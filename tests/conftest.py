@@ -25,6 +25,6 @@ def _one_intra_op_thread():
 
 # NOTE [The multi-rank tier]
 # Tests marked ``multirank`` start multi-rank jobs (torchrun-style process groups of 2-4 ranks, each importing
-# torch and a framework): about 5 of the suite's 10 minutes on a 2-core machine. The README's test command
-# runs them with the rest; ``pytest -m "not multirank"`` is the quick run (about 5 minutes: 5:06 on
-# 2026-12-01, alone).
+# torch and a framework): about 5 of the suite's 11 minutes on a 2-core machine (10:43 on a fresh clone,
+# 2026-12-01, alone). The README's test command runs them with the rest; ``pytest -m "not multirank"`` is the
+# quick run (about 6 minutes; 7:16 with the optional transformers tests, 2026-12-01, alone).
