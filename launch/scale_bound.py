@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import weakref
 
 import torch
 
@@ -38,7 +38,8 @@ class LinkBound:
 
 class SavedBytesByLayer:
     """Counts what autograd saves in each micro-batch's forward, by transformer layer (``layers`` of ``model``, in
-    order): ``saved_tensors_hooks`` that only count (each storage once, parameters excluded) and forward hooks. A
+    order): ``saved_tensors_hooks`` that only count (each live storage once; the parameters' storages, views of
+    them included, not at all) and forward hooks. A
     micro-batch starts with ``model``'s forward. ``segments``: per micro-batch, the ``(layer, bytes)`` in forward
     order, ``_BEFORE``/``_AFTER`` for what was saved outside the layers."""
 
@@ -51,6 +52,8 @@ class SavedBytesByLayer:
         self._hooks = []
 
     def __enter__(self) -> "SavedBytesByLayer":
+        # (autograd also saves views of the weights, e.g. a linear's transposed weight: not activations)
+        self._parameter_keys = {p.untyped_storage()._cdata for p in self._model.parameters()}
         self._hooks.append(self._model.register_forward_pre_hook(self._enter_model))
         for index, layer in enumerate(self._layers):
             self._hooks.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, index)))
@@ -76,12 +79,12 @@ class SavedBytesByLayer:
         self._current = _AFTER if index == len(self._layers) - 1 else index
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, torch.nn.Parameter) or getattr(tensor, "_is_param", False):
-            return tensor
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key not in self._seen:
+        if key not in self._seen and key not in self._parameter_keys:
             self._seen.add(key)
+            # (a storage's address is reused once it dies: forget it then, or a later storage goes uncounted)
+            weakref.finalize(storage, self._seen.discard, key)
             if not self.segments:
                 self.segments.append([])
             segment = self.segments[-1]
@@ -105,7 +108,7 @@ def link_bound(segments: list[list[list[int]]], layer_times_s: dict[int, float],
             saved_bytes += nbytes
             backlog += nbytes
             layer_s = layer_times_s.get(layer, 0.0) / micro_batches if layer >= 0 else 0.0
-            moved = backlog if math.isinf(d2h_bytes_per_s) else min(backlog, d2h_bytes_per_s * layer_s)
+            moved = min(backlog, d2h_bytes_per_s * layer_s) if layer_s > 0 else 0.0  # (no time: nothing moves)
             movable_bytes += moved
             backlog -= moved
         per_micro_batch.append(movable_bytes - before)
