@@ -15,7 +15,8 @@ def test_text_report_has_the_best_plan_the_comparison_and_the_reasons(capsys):
     assert "best plan: " in out and "time (s): compute" in out
     for label in ("best with Chameleon swap", "best with recomputation", "best with TP/PP alone"):
         assert label in out
-    assert "why not the best" in out and "out of memory: stage 0 needs" in out and "% slower: " in out
+    words = " ".join(out.split())  # (the last column wraps at 120 columns)
+    assert "why not the best" in words and "out of memory: stage 0 needs" in words and "% slower: " in words
 
 
 def test_json_output_is_consistent(capsys):
@@ -81,3 +82,25 @@ def test_reproduction_table_shows_predictions_next_to_the_published_figures():
     assert same.baseline.layout.recompute == "full" and same.baseline.layout.tp == same.chameleon.layout.tp
     assert full.speedup == pytest.approx(full.baseline.iteration_s / full.chameleon.iteration_s - 1)
     assert "+25.0% (SmartSwap)" in text and "+28.0% (SmartSwap)" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "0"], "--seq must be >= 1, got 0"),
+    (["--global-batch", "0"], "--global-batch must be >= 1, got 0"),
+    (["--top", "0"], "--top must be >= 1, got 0"),
+    (["--json", "/nonexistent-dir/plan.json"], "--json /nonexistent-dir/plan.json: the directory"),
+])
+def test_bad_inputs_are_refused_before_the_search(argv, message, capsys):
+    """Issue 29: 0 was taken as "the default" (exit 0), and --json into a missing directory was a traceback after
+    the whole search."""
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_default_report_fits_120_columns(capsys):
+    plan.main([])
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 120
+    words = " ".join(out.split())
+    assert "why not the best" in words and "out of memory: stage 0 needs" in words

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from chameleon_dist.config import ConfigError
@@ -48,6 +49,15 @@ def _modes(text: str) -> tuple[str, ...]:
     if bad or not values:
         raise argparse.ArgumentTypeError(f"{text!r}: recompute modes are {', '.join(RECOMPUTE_MODES)}")
     return values
+
+
+def _check_writable(path: str) -> None:
+    """Fail before the search, not after it: ``--json PATH`` needs an existing, writable directory."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise PlanError(f"--json {path}: the directory {folder} does not exist; create it or give another path")
+    if not os.access(folder, os.W_OK):
+        raise PlanError(f"--json {path}: the directory {folder} is not writable; give another path")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,11 +111,13 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
-    seq = args.seq or model.seq_length
-    batch = args.global_batch or 8 * args.devices
-    for option, value in (("--devices", args.devices), ("--seq", seq), ("--global-batch", batch)):
+    seq = model.seq_length if args.seq is None else args.seq  # (0 is an error, not "the default")
+    batch = 8 * args.devices if args.global_batch is None else args.global_batch
+    for option, value in (("--devices", args.devices), ("--seq", seq), ("--global-batch", batch), ("--top", args.top)):
         if value < 1:
             raise PlanError(f"{option} must be >= 1, got {value}")
+    if args.json not in (None, "-"):
+        _check_writable(args.json)
     setup = make_setup(
         global_batch_size=batch, seq_length=seq, precision=args.precision, zero_stage=args.zero_stage,
         attention=args.attention, sequence_parallel=not args.no_sequence_parallel,
@@ -118,8 +130,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.json == "-":
             print(text)
         else:
-            with open(args.json, "w") as handle:
-                handle.write(text)
+            try:
+                with open(args.json, "w") as handle:
+                    handle.write(text)
+            except OSError as exc:
+                raise PlanError(f"--json {args.json}: cannot write it ({exc.strerror})") from None
             print(f"chameleon-plan: result written to {args.json}", file=sys.stderr)
     if args.json != "-":
         print(tables.text_report(result, top=args.top))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 from chameleon_dist.planner.search import FEASIBLE, OUT_OF_MEMORY, PRUNED, Plan, SearchResult
 from chameleon_dist.planner.timing import COMPONENTS
@@ -24,11 +25,34 @@ def _time_parts(plan: Plan) -> str:
     return " + ".join(parts)
 
 
-def table(rows: list[list[str]], header: list[str]) -> str:
+MAX_WIDTH = 120
+"""Columns of the text output (wider detail goes to ``--json``)."""
+
+
+def _fit(line: str, max_width: int = MAX_WIDTH) -> str:
+    """``line`` wrapped at ``max_width``, continuation lines indented past its own indent."""
+    if len(line) <= max_width:
+        return line
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.fill(line, max_width, subsequent_indent=indent, break_on_hyphens=False)
+
+
+def table(rows: list[list[str]], header: list[str], max_width: int = MAX_WIDTH) -> str:
+    """Left-aligned columns; a last column that would pass ``max_width`` wraps onto indented lines."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    last = max(len(header[-1]), min(widths[-1], max_width - indent))
+    widths[-1] = last
+
+    def lines_of(cells: list) -> list[str]:
+        head = "  ".join(str(c).ljust(w) for c, w in zip(cells[:-1], widths))
+        wrapped = textwrap.wrap(str(cells[-1]), last) or [""]
+        first = (head + "  " if cells[:-1] else "") + wrapped[0]
+        return [first.rstrip()] + [(" " * indent + more).rstrip() for more in wrapped[1:]]
+
+    out = lines_of(header) + ["  ".join("-" * w for w in widths)]
+    for r in rows:
+        out += lines_of(r)
     return "\n".join(out)
 
 
@@ -97,7 +121,7 @@ def text_report(result: SearchResult, top: int = 12) -> str:
                   f"that fit and the {len(fastest_oom)} fastest that do not):"]
     rows = [plan_row(p, best) for p in shown + fastest_oom]
     lines.append(table(rows, ["plan", "peak GB", "iteration s", "vs best", "swap", "why not the best"]))
-    return "\n".join(lines)
+    return "\n".join(_fit(line) for text in lines for line in text.split("\n"))
 
 
 def result_dict(result: SearchResult, top: int | None = None) -> dict:
