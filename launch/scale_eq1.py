@@ -4,8 +4,9 @@ layer times, and how much calibration changes the chosen policy's stall.
 
 One iteration of a model runs through ``Chameleon`` on the emulated device with meta tensors
 (``EmulatedDevice(meta_tensors=True)``) and a memory budget it never reaches and a ``min_swap_bytes`` no
-tensor reaches, so the profiled iteration swaps nothing (the runtime's own WarmUp swaps every eligible
-tensor, and its waits for the link then sit inside the measured layer times). The backend's per-op observer
+tensor reaches, so the profiled iteration swaps nothing: its ops are the program's own, with no copies or
+host work of a swap-everything WarmUp among them (its layer times leave out the waits on copies either way:
+``LayerTimes.resolve``). The backend's per-op observer
 (``SimulatedBackend.op_times_s``) gives each op's kernel seconds on the device clock: the roofline cost
 ``device/cost.py`` charges, 0.0 for ops that launch no kernel. ``T_iter`` is their sum.
 
@@ -61,8 +62,8 @@ from chameleon_dist.policy.layers import op_times_s as spread
 from chameleon_dist.policy.simulator import Planned, simulate
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
+from launch.scale_runs import HOST_OP_S
 
-HOST_OP_S = 1e-5
 MIN_SWAP_BYTES = 2**20
 NEVER_SWAP_BYTES = 2**60  # the profiled iteration's min_swap_bytes: nothing is swapped
 CAPACITY_BYTES = 2**40

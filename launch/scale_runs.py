@@ -98,14 +98,6 @@ def settings_of(variant: str) -> tuple[str | None, bool, bool]:
     return _SETTINGS[variant]
 
 
-def saved_bytes_of(trace) -> int:
-    """Bytes of the storages autograd saved in ``trace`` (each storage once, parameters excluded)."""
-    if trace is None:
-        return 0
-    storages = {t.storage_id for t in trace.tensors if t.saved and not t.is_parameter}
-    return sum(s.nbytes for s in trace.storages if s.storage_id in storages)
-
-
 def _build(case: Case, seq_length: int, micro_batch_size: int = 1, recompute: str | None = None):
     from chameleon_dist.integrations.megatron.meta_models import build_meta_gpt
 
@@ -202,7 +194,7 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
                     break
     finally:
         integration.close()
-    run.saved_bytes = saved_bytes_of(run.trace) if run.saved_segments is None else \
+    run.saved_bytes = (0 if run.trace is None else run.trace.saved_bytes()) if run.saved_segments is None else \
         sum(nbytes for segment in run.saved_segments for _, nbytes in segment)
     run.wall_s = time.perf_counter() - started_s
     logger.info("%s %s: %s, %.1f ms, peak %.2f GiB, %.1f s", case.name, variant, run.stages, run.iteration_s * 1e3,

@@ -161,3 +161,25 @@ def test_the_per_op_observer_hears_each_ops_kernel_seconds_when_on():
         a + a
     assert len(times) == 4, "off again: nothing appended"
     del b, c, d
+
+
+def test_a_spans_compute_time_leaves_out_its_waits_on_copies_but_not_the_hosts_own_time():
+    """``EventTimer.compute_s`` (what layer times are made of): a wait on a slow copy inside a span is not the
+    span's cost, and a host-bound span costs at least the host's time over it."""
+    device = EmulatedDevice(2**30, preset="h100-pcie", host_op_s=1e-3, d2h_bytes_per_s=1e6)
+    timer = device.timer(keep_waits=True)
+    x = device.track(torch.ones(1024, 256))
+    with device.active():
+        start = timer.mark()
+        for _ in range(5):
+            x = x + 1  # 5 tiny kernels after 1 ms of host work each
+        handle = device.copy_to_host(x.untyped_storage())  # 1 MiB at 1 MB/s: about a second on the link
+        device.wait(handle)  # the compute stream waits for it
+        y = x * 2
+        end = timer.mark()
+    timer.resolve()
+    elapsed_s = timer.elapsed_s(start, end)
+    assert elapsed_s > 1.0 and timer.waits_s(start, end) > 1.0  # the wait is in the span's device time
+    assert timer.compute_s(start, end) < 0.05  # ... and not in its compute time
+    assert timer.compute_s(start, end) >= 0.006  # at least the host's 6 ops (and the copy's host work) at 1 ms
+    del y, handle

@@ -83,15 +83,14 @@ class EventTimer:
         those waits (``waits_s``), but never less than the host's own time between the marks (a host-bound span:
         after a wait the device catches up with the host, and the gaps it would have idled in are gone)."""
         span_s = self.elapsed_s(start, end) - self.waits_s(start, end)
-        host_s = self._marks[id(end)][1] - self._marks[id(start)][1] if id(start) in self._marks and \
-            id(end) in self._marks else 0.0
+        host_s = self._marks[id(end)][1] - self._marks[id(start)][1]
         return max(span_s, host_s, 0.0)
 
     def waits_s(self, start, end) -> float:
         """Device seconds that ``start``'s stream sat waiting on copies between the two marks (both made before
         the latest ``resolve``): a layer's compute time is its elapsed time less these (a swap's stall is the
         policy's to predict, not the layer's to take)."""
-        stream = self._marks.get(id(start), (None, 0.0))[0]
+        stream = self._marks[id(start)][0]
         elapsed_s = self._backend.elapsed_s
         total_s = 0.0
         for wait_start, wait_end, wait_stream in self.waits:

@@ -137,8 +137,8 @@ def predict_single_device(model_profile: ModelProfile, hardware_profile: Hardwar
         plan = evaluate(model, hardware, setup, layout)
         out[approach] = Prediction(
             approach=approach, layout=layout, iteration_s=plan.iteration_s, peak_bytes=plan.peak_bytes,
-            static_bytes=plan.memory[0].static_bytes, budget_bytes=hardware.usable_bytes, fits=plan.feasible, stall_s=plan.time.stall,
-            swapped_bytes=plan.swapped_bytes, time=plan.time, reason=_why(plan))
+            static_bytes=plan.memory[0].static_bytes, budget_bytes=hardware.usable_bytes, fits=plan.feasible,
+            stall_s=plan.time.stall, swapped_bytes=plan.swapped_bytes, time=plan.time, reason=_why(plan))
     return out
 
 

@@ -252,8 +252,9 @@ class LayerTimes:
         """Stop measuring, wait once for the device to reach every mark, and return ``(forward, backward)``
         seconds per layer: with a device timer, each span's ``compute_s`` (its device time less the time its
         stream waited on copies inside it: WarmUp's release waits, a swap-in's wait; at least the host's own time
-        over it), so that calibration sees what the layer costs, not what the WarmUp policy made it wait. A device that cannot synchronise (after a failed iteration) yields no times
-        rather than masking the iteration's own error."""
+        over it), so that calibration sees what the layer costs, not what the WarmUp policy made it wait. A device
+        that cannot synchronise (after a failed iteration) yields no times rather than masking the iteration's own
+        error."""
         self._closed = True
         self._remove_hooks()
         forward: dict[int, float] = {}
@@ -265,7 +266,6 @@ class LayerTimes:
             return forward, backward
         elapsed_s = self.timer.elapsed_s
         compute_s = getattr(self.timer, "compute_s", elapsed_s)  # (a device timer: without the waits on copies)
-
         for layer, start, end in self._forward:
             forward[layer] = forward.get(layer, 0.0) + compute_s(start, end)
         for layer, start, end in self._backward:

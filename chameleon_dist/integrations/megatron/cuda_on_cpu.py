@@ -25,14 +25,6 @@ _TORCH_VERSIONS = ">=2.6,<2.14"
 _MEGATRON_VERSIONS = ">=0.16,<0.17"
 
 
-def _make_current_device(original: Any) -> Any:
-    def current_device() -> torch.device:
-        """CPU stand-in for torch.cuda.current_device (installed by chameleon-dist)."""
-        return _CPU
-
-    return current_device
-
-
 def _make_current_device_is(device: torch.device) -> Any:
     def make_replacement(original: Any) -> Any:
         def current_device() -> torch.device:
@@ -107,8 +99,9 @@ CURRENT_DEVICE_IS_CPU = Patch(
     ),
     remove_when="Megatron-core takes its device from a configurable accessor, or CPU runs are dropped",
     fingerprint="6e9804168a5c7f8c",
-    make_replacement=_make_current_device,
+    make_replacement=_make_current_device_is(_CPU),
 )
+
 
 def current_device_is(device: str | torch.device) -> Patch:
     """:data:`CURRENT_DEVICE_IS_CPU` answering ``device``: the record itself for the CPU, else a copy bound to
