@@ -223,3 +223,12 @@ def test_policies_are_generated_from_compute_only_layer_times():
     scaled = compute_only(trace, stall_s=2.0, time_scale=1.5)
     assert scaled.iteration_s == pytest.approx(1.5)
     assert scaled.layer_times_s == pytest.approx({0: 0.6, 1: 0.75})
+
+
+def test_reading_a_value_of_a_meta_tensor_names_the_setting():
+    """What cannot run on meta (a value read: ``.item()``, a Python ``bool`` of a tensor; e.g. Hugging Face's mask
+    preprocessing looks at position ids) fails with a message saying why, not torch's bare one."""
+    device = EmulatedDevice(2**30, preset="h100-pcie", host_op_s=2e-5, meta_tensors=True)
+    x = device.track(torch.empty(4, device="meta"))
+    with device.active(), pytest.raises(RuntimeError, match="device.meta_tensors: true"):
+        (x.sum() > 0).item()

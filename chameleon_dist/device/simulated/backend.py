@@ -247,6 +247,11 @@ class SimulatedBackend:
         self._host_work()
         self.hazards.raise_pending()
         stream = self.current_stream()
+        if self.meta_tensors and func is _aten._local_scalar_dense.default:
+            raise RuntimeError(
+                "the program reads a value of a meta tensor (.item(), a Python bool or int of a tensor, or a shape "
+                "that depends on data): meta tensors hold sizes only (device.meta_tensors: true). Run such code on "
+                "real tensors, or keep it out of the simulated step (NOTE [Meta tensors])")
         out = func(*args, **kwargs)
         self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
         self.op_index += 1
