@@ -247,7 +247,7 @@ class SimulatedBackend:
         self._host_work()
         self.hazards.raise_pending()
         stream = self.current_stream()
-        if self.meta_tensors and func is _aten._local_scalar_dense.default:
+        if self.meta_tensors and func is _aten._local_scalar_dense.default and args[0].device.type == "meta":
             raise RuntimeError(
                 "the program reads a value of a meta tensor (.item(), a Python bool or int of a tensor, or a shape "
                 "that depends on data): meta tensors hold sizes only (device.meta_tensors: true). Run such code on "
