@@ -43,13 +43,13 @@ HOST = "the host memory budget runs out"
 NOTHING = "the peak is where nothing can be swapped"
 COPIES = "copies cannot keep up with compute"
 CASES = {  # cause: (search arguments, the cause, the plan's reason as recorded)
-    "host budget": ((4, 1000, 0.9, 2 * 10**6), Infeasibility.HOST_BUDGET, f"0.1 GB > 0.1 GB usable ({HOST})"),
+    "host budget": ((4, 1000, 0.9, 2 * 10**6), Infeasibility.HOST_BUDGET, f"0.1 GB > 0.1 GB allowed ({HOST})"),
     "host budget, little kept": ((4, 1000, 0.9, 2 * 10**7), Infeasibility.HOST_BUDGET,
-                                 f"0.1 GB > 0.1 GB usable ({HOST})"),
-    "link too slow": ((4, 1000, 0.9), Infeasibility.LINK_TOO_SLOW, f"0.1 GB > 0.1 GB usable ({COPIES})"),
-    "swap floor": ((4, 1000, 0.3), Infeasibility.SWAP_FLOOR_ABOVE_BUDGET, f"0.1 GB > 0.1 GB usable ({COPIES})"),
-    "no swappable": ((1, 100, 0.5), Infeasibility.NO_SWAPPABLE_AT_PEAK, f"0.0 GB > 0.0 GB usable ({NOTHING})"),
-    "static": ((4, 1000, 0.0), StageInfeasibility.STATIC_ABOVE_DEVICE, f"0.1 GB > 0.0 GB usable ({NOTHING})"),
+                                 f"0.1 GB > 0.1 GB allowed ({HOST})"),
+    "link too slow": ((4, 1000, 0.9), Infeasibility.LINK_TOO_SLOW, f"0.1 GB > 0.1 GB allowed ({COPIES})"),
+    "swap floor": ((4, 1000, 0.3), Infeasibility.SWAP_FLOOR_ABOVE_BUDGET, f"0.1 GB > 0.1 GB allowed ({COPIES})"),
+    "no swappable": ((1, 100, 0.5), Infeasibility.NO_SWAPPABLE_AT_PEAK, f"0.0 GB > 0.0 GB allowed ({NOTHING})"),
+    "static": ((4, 1000, 0.0), StageInfeasibility.STATIC_ABOVE_DEVICE, f"0.1 GB > 0.0 GB allowed ({NOTHING})"),
 }
 
 

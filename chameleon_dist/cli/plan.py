@@ -17,9 +17,11 @@ import os
 import sys
 
 from chameleon_dist.config import ConfigError
+from chameleon_dist.config.sizes import SizeError, parse_size_bytes
 from chameleon_dist.planner import tables
 from chameleon_dist.planner.layout import RECOMPUTE_MODES
 from chameleon_dist.planner.profiles import (
+    DEFAULT_MEMORY_MARGIN,
     HARDWARE_KIND,
     MODEL_KIND,
     load_hardware,
@@ -51,6 +53,32 @@ def _modes(text: str) -> tuple[str, ...]:
     return values
 
 
+def _margin(text: str) -> tuple[str, float]:
+    """``--memory-margin``: a percentage of usable memory ("5%") or a size ("3GB")."""
+    text = text.strip()
+    try:
+        if text.endswith("%"):
+            value = float(text[:-1])
+            if not 0 <= value < 100:
+                raise ValueError
+            return "fraction", value / 100
+        return "bytes", float(parse_size_bytes(text))
+    except (ValueError, SizeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a percentage of usable memory from 0% to under 100% (e.g. 5%) or a size (e.g. 3GB)") from None
+
+
+def _margin_fraction(margin: tuple[str, float] | None, usable_bytes: int) -> float:
+    if margin is None:
+        return DEFAULT_MEMORY_MARGIN
+    kind, value = margin
+    fraction = value if kind == "fraction" else value / usable_bytes
+    if fraction >= 1:
+        raise PlanError(f"--memory-margin {value / 1e9:g}GB leaves nothing of the {usable_bytes / 1e9:.1f} GB usable; "
+                        "give a smaller margin")
+    return fraction
+
+
 def _check_writable(path: str) -> None:
     """Fail before the search, not after it: ``--json PATH`` needs an existing, writable directory."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -80,10 +108,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recompute", type=_modes, default=RECOMPUTE_MODES,
                         help=f"recompute modes to try (default {','.join(RECOMPUTE_MODES)})")
     parser.add_argument("--no-swap", action="store_true", help="plan without Chameleon swap")
+    parser.add_argument("--memory-margin", type=_margin, metavar="PCT|SIZE",
+                        help=f"device memory every plan leaves free, of the usable memory (e.g. 5%%) or a size "
+                             f"(e.g. 3GB); default {DEFAULT_MEMORY_MARGIN * 100:g}%% (docs/planner.md)")
     parser.add_argument("--top", type=int, default=12, help="alternatives shown (default 12)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write the result as JSON to PATH (or stdout without PATH)")
-    parser.add_argument("--reproduce", action="store_true", help="print the paper's comparison tables (markdown)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also report the headline speedups as ranges over the hardware profile's assumed inputs")
+    parser.add_argument("--reproduce", action="store_true",
+                        help="print the paper's comparison tables (markdown), with ranges over the assumed inputs")
     parser.add_argument("--list", action="store_true", help="list the shipped model and hardware profiles")
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
@@ -97,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PlanError) as exc:
         print(f"chameleon-plan: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader (e.g. `| head`) stopped reading: not an error of the plan
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (interpreter shutdown flushes stdout once more)
+        return 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -105,9 +142,13 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{kind} profiles: {', '.join(shipped_names(kind))}")
         return 0
     if args.reproduce:
-        from chameleon_dist.planner.reproduce import markdown, reproduce
+        from chameleon_dist.planner.reproduce import PAPER_SCENARIOS, markdown, run_scenario
 
-        print(markdown(reproduce()))
+        results = []
+        for index, scenario in enumerate(PAPER_SCENARIOS, 1):
+            print(f"chameleon-plan: reproduction {index}/{len(PAPER_SCENARIOS)}: {scenario.label()}", file=sys.stderr)
+            results.append(run_scenario(scenario, ranges=True))
+        print(markdown(results))
         return 0
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
@@ -121,12 +162,22 @@ def _run(args: argparse.Namespace) -> int:
     setup = make_setup(
         global_batch_size=batch, seq_length=seq, precision=args.precision, zero_stage=args.zero_stage,
         attention=args.attention, sequence_parallel=not args.no_sequence_parallel,
+        memory_margin=_margin_fraction(args.memory_margin, hardware.usable_bytes),
     )
     space = SearchSpace(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch=args.micro_batch,
                         recompute=args.recompute, swap=(False,) if args.no_swap else (False, True))
     result = search(model, hardware, setup, args.devices, space)
+    ranges = None
+    if args.sensitivity:
+        from chameleon_dist.planner.sensitivity import sensitivity_of_search
+
+        print(f"chameleon-plan: sweeping {len(hardware.assumed)} assumed inputs of {hardware.name}", file=sys.stderr)
+        ranges = sensitivity_of_search(model, hardware, setup, args.devices, space)
     if args.json:
-        text = json.dumps(tables.result_dict(result), indent=1, default=str)
+        data = tables.result_dict(result)
+        if ranges is not None:
+            data["sensitivity"] = ranges.to_dict()
+        text = json.dumps(data, indent=1, default=str)
         if args.json == "-":
             print(text)
         else:
@@ -138,4 +189,6 @@ def _run(args: argparse.Namespace) -> int:
             print(f"chameleon-plan: result written to {args.json}", file=sys.stderr)
     if args.json != "-":
         print(tables.text_report(result, top=args.top))
+        if ranges is not None:
+            print("\n" + tables.sensitivity_text(ranges))
     return 0 if result.best is not None else 3

@@ -32,6 +32,7 @@ def cpu_setup(micro_batch: int, seq_length: int, micro_batches: int = 1, min_swa
     return TrainingSetup(
         global_batch_size=micro_batch * micro_batches, seq_length=seq_length, precision="fp32", zero_stage=0,
         attention="unfused", sequence_parallel=False, persistent_grads=False, min_swap_bytes=min_swap_bytes,
+        memory_margin=0.0,  # a measured run's budget is exact
     )
 
 

@@ -27,6 +27,7 @@ MODELS_DIR = CONFIGS_DIR / "models"
 HARDWARE_DIR = CONFIGS_DIR / "hardware"
 
 MODEL_KIND, HARDWARE_KIND = "model", "hardware"
+DEFAULT_MEMORY_MARGIN = 0.05  # of usable device memory; why 5%: docs/planner.md, "Headroom and ties"
 
 
 def _size(per_second: bool):
@@ -170,6 +171,32 @@ class HardwareProfile(_Profile):
     inter_node_bus_bytes_per_s: BytesPerS  # collective bus bandwidth per device across nodes
     host_memory_bytes: Bytes  # host RAM per node
     host_swap_fraction: float = Field(0.5, gt=0, le=1)  # of host RAM that swapped activations may use
+    # Inputs with no source at hand: field -> (low, high), a plausible range around the profile's value, over
+    # which ``chameleon-plan --sensitivity`` and the reproduction report their speedups.
+    assumed: dict[str, tuple[float, float]] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _assumed_sizes(cls, data: Any) -> Any:
+        """Ranges of byte or rate fields accept the same size strings as the fields ("1TB", "20GB/s")."""
+        if not (isinstance(data, dict) and isinstance(data.get("assumed"), dict)):
+            return data
+        ranges = {}
+        for name, bounds in data["assumed"].items():
+            if name not in ASSUMABLE_INPUTS:
+                raise ValueError(f"assumed: {name!r} is not a numeric hardware input; use one of "
+                                 f"{', '.join(ASSUMABLE_INPUTS)}")
+            if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
+                raise ValueError(f"assumed.{name}: give [low, high], got {bounds!r}")
+            per_second = name.endswith("_per_s")
+            parsed = []
+            for bound in bounds:
+                try:
+                    parsed.append(parse_size_bytes(bound, per_second=per_second) if isinstance(bound, str) else bound)
+                except SizeError as exc:
+                    raise ValueError(f"assumed.{name}: {exc}") from None
+            ranges[name] = tuple(parsed)
+        return {**data, "assumed": ranges}
 
     @model_validator(mode="before")
     @classmethod
@@ -183,6 +210,11 @@ class HardwareProfile(_Profile):
     def _check(self) -> "HardwareProfile":
         if self.reserved_bytes >= self.memory_bytes:
             raise ValueError(f"reserved_bytes ({self.reserved_bytes}) must be below memory_bytes ({self.memory_bytes})")
+        for name, (low, high) in self.assumed.items():
+            value = getattr(self, name)
+            if value is None or not 0 < low <= value <= high:
+                raise ValueError(f"assumed.{name}: the range [{low:g}, {high:g}] must be positive and hold the "
+                                 f"profile's {name} ({value})")
         return self
 
     @property
@@ -204,6 +236,13 @@ class HardwareProfile(_Profile):
         return int(self.host_memory_bytes * self.host_swap_fraction) // self.devices_per_node
 
 
+ASSUMABLE_INPUTS = (
+    "memory_bytes", "reserved_bytes", "peak_flops_per_s", "efficiency", "memory_bytes_per_s", "h2d_bytes_per_s",
+    "d2h_bytes_per_s", "h2d_concurrent_bytes_per_s", "intra_node_bus_bytes_per_s", "inter_node_bus_bytes_per_s",
+    "host_memory_bytes", "host_swap_fraction",
+)  # the numeric HardwareProfile fields an ``assumed`` range may cover
+
+
 class TrainingSetup(BaseModel):
     """How the job trains, beyond the layout the planner searches."""
 
@@ -220,6 +259,13 @@ class TrainingSetup(BaseModel):
     tp_comm_overlap: float = Field(0.0, ge=0, le=1)  # fraction of TP communication hidden under compute
     dp_comm_overlap: float = Field(0.0, ge=0, le=1)  # fraction of the gradient reduction hidden
     min_swap_bytes: int = Field(0, ge=0)
+    # Of the usable device memory, what every plan must leave free (docs/planner.md, "Headroom"): allocator
+    # fragmentation, communication buffers and what else a real job allocates that the model does not see.
+    memory_margin: float = Field(DEFAULT_MEMORY_MARGIN, ge=0, lt=1)
+
+    def budget_bytes(self, hardware: HardwareProfile) -> int:
+        """Device bytes a plan may fill: the hardware's usable memory less the memory margin."""
+        return int(hardware.usable_bytes * (1 - self.memory_margin))
 
     @property
     def activation_bytes(self) -> int:

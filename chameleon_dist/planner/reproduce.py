@@ -10,11 +10,23 @@ model size for those runs; the scenarios below state the values assumed here.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Mapping
 
 from chameleon_dist.planner.layout import Layout, RecomputeMode
-from chameleon_dist.planner.profiles import load_hardware, load_model, TrainingSetup
+from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup, load_hardware, load_model
 from chameleon_dist.planner.search import Approach, Plan, SearchResult, evaluate, search
+from chameleon_dist.planner.sensitivity import (
+    AssumedInput,
+    FigureRange,
+    assumed_inputs,
+    format_input,
+    sweep,
+    with_inputs,
+)
 from chameleon_dist.planner.space import SearchSpace
+
+logger = logging.getLogger(__name__)
 
 PAPER_HEADLINE = 0.3894  # arXiv 2509.11076: up to 38.94% faster (TP/PP -> DP and recomputation off, combined)
 SMARTSWAP_TP8_TO_TP1 = 0.25  # MindSpeed SmartSwap, Llama2, 8 NPUs
@@ -47,12 +59,17 @@ PAPER_SCENARIOS = (
 
 @dataclasses.dataclass
 class FixedComparison:
-    """A SmartSwap-style comparison: a named baseline against the planner's swap plan."""
+    """A published comparison re-run by the planner: a baseline named exactly against Chameleon's plan (no
+    recomputation, swap where needed). ``swaps`` says whether Chameleon's plan swaps at all: where it does not,
+    the speedup is what the layout or turning recomputation off gains, and the tables say "no swap needed"."""
 
     name: str
+    baseline_name: str  # the baseline exactly, in words
     published: float
+    source: str
     baseline: Plan | None
     chameleon: Plan | None
+    spread: FigureRange | None = None  # the speedup over the assumed inputs (None: not swept)
 
     @property
     def speedup(self) -> float | None:
@@ -60,26 +77,43 @@ class FixedComparison:
             return None
         return self.baseline.iteration_s / self.chameleon.iteration_s - 1
 
+    @property
+    def swaps(self) -> bool:
+        return self.chameleon is not None and self.chameleon.layout.swap and self.chameleon.swapped_bytes > 0
+
 
 @dataclasses.dataclass
 class ScenarioResult:
     scenario: Scenario
     result: SearchResult
     fixed: list[FixedComparison]
+    ranges: dict[str, FigureRange] = dataclasses.field(default_factory=dict)  # by figure name (empty: not swept)
 
 
 def _setup(scenario: Scenario) -> TrainingSetup:
     return TrainingSetup(global_batch_size=scenario.global_batch_size, seq_length=scenario.seq_length)
 
 
+def high_tp(scenario: Scenario, model: ModelProfile, hardware: HardwareProfile) -> int:
+    """The "high-degree" TP of the published baselines: a whole node (8), within the heads."""
+    return min(hardware.devices_per_node, scenario.devices, model.num_attention_heads)
+
+
 def fixed_comparisons(scenario: Scenario, result: SearchResult) -> list[FixedComparison]:
-    """SmartSwap's two cases and the paper's combined one, each against the planner's swap plan:
-    the best TP8 plan (no swap, no recomputation) against the best TP1 plan with swap; the best swap plan's
-    layout with full recomputation instead of swap against the swap plan; the best plan with full
-    recomputation (any layout, no swap) against the best swap plan."""
+    """The published comparisons, each baseline exactly as published, against Chameleon's plan:
+
+    - SmartSwap's TP8 -> TP1: the best TP8 plan (no recomputation, no swap) against the best TP1 plan (no
+      recomputation, swap where needed);
+    - SmartSwap's full recomputation on -> off on the same layout: the layout of the fastest plan that swaps,
+      with full recomputation and no swap, against itself with swap and no recomputation (with no plan that
+      swaps: the best plan without recomputation, so the row measures recomputation off alone);
+    - the paper's high-degree parallelism with recomputation: the best plan with full recomputation whose
+      model-parallel size TP x PP is at least a node (8), no swap, against Chameleon's best plan.
+    """
     model, hardware, setup = result.model, result.hardware, result.setup
-    best_swap = result.comparison()[Approach.SWAP]
-    high_tp = min(hardware.devices_per_node, scenario.devices, model.num_attention_heads)
+    comparison = result.comparison()
+    chameleon = comparison[Approach.SWAP]
+    tp = high_tp(scenario, model, hardware)
 
     def best(space: SearchSpace) -> Plan | None:
         try:
@@ -87,25 +121,68 @@ def fixed_comparisons(scenario: Scenario, result: SearchResult) -> list[FixedCom
         except ValueError:
             return None
 
-    tp_high = best(SearchSpace(tp=(high_tp,), recompute=(RecomputeMode.NONE,), swap=(False,)))
+    tp_high = best(SearchSpace(tp=(tp,), recompute=(RecomputeMode.NONE,), swap=(False,)))
     tp_one = best(SearchSpace(tp=(1,), recompute=(RecomputeMode.NONE,)))
-    same_layout = None
-    if best_swap is not None:
-        twin = dataclasses.replace(best_swap.layout, recompute=RecomputeMode.FULL, recompute_layers=0, swap=False)
+    swapping = comparison["swapping"] or chameleon
+    same_layout = full_twin = None
+    if swapping is not None:
+        twin = dataclasses.replace(swapping.layout, recompute=RecomputeMode.FULL, recompute_layers=0, swap=False)
         plan = evaluate(model, hardware, setup, twin)
-        same_layout = plan if plan.feasible else None
-    full = best(SearchSpace(recompute=(RecomputeMode.FULL,), swap=(False,)))
+        full_twin = plan if plan.feasible else None
+        same_layout = swapping
+    try:
+        full = search(model, hardware, setup, scenario.devices, SearchSpace(recompute=(RecomputeMode.FULL,), swap=(False,)))
+        high_full = next((p for p in full.plans if p.feasible and p.layout.tp * p.layout.pp >= tp), None)
+    except ValueError:
+        high_full = None
     return [
-        FixedComparison(f"TP{high_tp} -> TP1 with swap", SMARTSWAP_TP8_TO_TP1, tp_high, tp_one),
-        FixedComparison("full recomputation -> swap, same layout", SMARTSWAP_FULL_RECOMPUTE_OFF, same_layout, best_swap),
-        FixedComparison("best with full recomputation -> best with swap", PAPER_HEADLINE, full, best_swap),
+        FixedComparison(f"TP{tp} -> TP1 with swap", f"best TP{tp} plan, no recomputation, no swap",
+                        SMARTSWAP_TP8_TO_TP1, "SmartSwap", tp_high, tp_one),
+        FixedComparison("full recomputation -> swap, same layout",
+                        "the swap plan's layout with full recomputation, no swap",
+                        SMARTSWAP_FULL_RECOMPUTE_OFF, "SmartSwap", full_twin, same_layout),
+        FixedComparison("high TP/PP with full recomputation -> best swap plan",
+                        f"best plan with full recomputation and TP x PP >= {tp}, no swap",
+                        PAPER_HEADLINE, "paper (max)", high_full, chameleon),
     ]
 
 
-def run_scenario(scenario: Scenario) -> ScenarioResult:
+BEST_VS_RECOMPUTE, BEST_VS_PARALLEL = "best vs best recomputation plan", "best vs best TP/PP plan"
+GLOBAL_BATCH = "global_batch_size"
+GLOBAL_BATCH_PER_DEVICE = (2, 32)  # assumed: the papers give no batch; 16-256 sequences on 8 devices
+
+
+def scenario_inputs(scenario: Scenario, hardware: HardwareProfile) -> list[AssumedInput]:
+    """The hardware profile's assumed inputs and the global batch, which the papers do not give."""
+    low, high = (n * scenario.devices for n in GLOBAL_BATCH_PER_DEVICE)
+    return [*assumed_inputs(hardware), AssumedInput(GLOBAL_BATCH, scenario.global_batch_size, low, high)]
+
+
+def _figures(scenario: Scenario, model: ModelProfile, hardware: HardwareProfile,
+             overrides: Mapping[str, float]) -> tuple[SearchResult, list[FixedComparison], dict[str, float | None]]:
+    batch = int(overrides.get(GLOBAL_BATCH, scenario.global_batch_size))
+    varied = dataclasses.replace(scenario, global_batch_size=batch)
+    result = search(model, with_inputs(hardware, overrides), _setup(varied), scenario.devices)
+    fixed = fixed_comparisons(varied, result)
+    c = result.comparison()
+    figures = {f.name: f.speedup for f in fixed}
+    figures[BEST_VS_RECOMPUTE] = c["speedup_vs_recompute"]
+    figures[BEST_VS_PARALLEL] = c["speedup_vs_parallel"]
+    return result, fixed, figures
+
+
+def run_scenario(scenario: Scenario, ranges: bool = False) -> ScenarioResult:
+    """The scenario's search and comparisons; with ``ranges``, each speedup also as a range over the assumed
+    inputs (``sensitivity.sweep``: about 2 x inputs + 7 more searches)."""
     model, hardware = load_model(scenario.model), load_hardware(scenario.hardware)
-    result = search(model, hardware, _setup(scenario), scenario.devices)
-    return ScenarioResult(scenario, result, fixed_comparisons(scenario, result))
+    result, fixed, _ = _figures(scenario, model, hardware, {})
+    out = ScenarioResult(scenario, result, fixed)
+    if ranges:
+        out.ranges = sweep(lambda overrides: _figures(scenario, model, hardware, overrides)[2],
+                           scenario_inputs(scenario, hardware))
+        for f in fixed:
+            f.spread = out.ranges.get(f.name)
+    return out
 
 
 def _pct(value: float | None) -> str:
@@ -116,35 +193,86 @@ def _plan(plan: Plan | None) -> str:
     return "none fits" if plan is None else f"{plan.layout.describe()} ({plan.iteration_s:.2f} s)"
 
 
+def _chameleon(plan: Plan | None) -> str:
+    if plan is None:
+        return "none fits"
+    if not (plan.layout.swap and plan.swapped_bytes > 0):
+        return f"no swap needed: {_plan(plan)}"
+    return _plan(plan)
+
+
+def _swap(plan: Plan | None) -> str:
+    if plan is None or not (plan.layout.swap and plan.swapped_bytes > 0):
+        return "-"
+    return f"{plan.swapped_bytes / 1e9:.0f} GB, stall {plan.time.stall:.2f} s"
+
+
+def _range(spread: FigureRange | None) -> str:
+    if spread is None or spread.low is None:
+        return "-"
+    most = f"; most: {spread.most}" if spread.most else ""
+    return f"{_pct(spread.low)} to {_pct(spread.high)}{most}"
+
+
+def _verdict(f: FixedComparison) -> str:
+    if f.spread is None or f.spread.low is None:
+        return "-"
+    if f.spread.holds(f.published):
+        return "inside the range"
+    return "above the range" if f.published > f.spread.high else "below the range"
+
+
+def _one_per_hardware(results: list[ScenarioResult]) -> list[ScenarioResult]:
+    seen: dict[str, ScenarioResult] = {}
+    for r in results:
+        seen.setdefault(r.scenario.hardware, r)
+    return list(seen.values())
+
+
 def markdown(results: list[ScenarioResult]) -> str:
-    """The reproduction tables (predicted speedups next to the published ones)."""
+    """The reproduction tables: best against best, then each published comparison with its baseline named, what
+    Chameleon's plan swaps, the predicted speedup, its range over the assumed inputs, and the published figure."""
     lines = [
-        "| scenario | best swap plan | best recompute plan | best TP/PP plan | swap vs recompute | swap vs TP/PP | paper |",
+        "| scenario | Chameleon plan | swapped, stall | best recompute plan | best TP/PP plan | vs recompute | "
+        "vs TP/PP |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         c = r.result.comparison()
+        cells = []
+        for key, figure in (("speedup_vs_recompute", BEST_VS_RECOMPUTE), ("speedup_vs_parallel", BEST_VS_PARALLEL)):
+            spread = r.ranges.get(figure)
+            cells.append(_pct(c[key]) + (f" ({_range(spread)})" if spread is not None else ""))
         lines.append(
-            f"| {r.scenario.label()} | {_plan(c[Approach.SWAP])} | {_plan(c[Approach.RECOMPUTE])} | "
-            f"{_plan(c[Approach.PARALLEL])} | "
-            f"{_pct(c['speedup_vs_recompute'])} | {_pct(c['speedup_vs_parallel'])} | up to +38.94% |"
-        )
+            f"| {r.scenario.label()} | {_chameleon(c[Approach.SWAP])} | {_swap(c[Approach.SWAP])} | "
+            f"{_plan(c[Approach.RECOMPUTE])} | {_plan(c[Approach.PARALLEL])} | {cells[0]} | {cells[1]} |")
     lines += [
         "",
-        "| scenario | comparison | baseline | Chameleon plan | predicted | published |",
-        "|---|---|---|---|---|---|",
+        "| scenario | comparison | baseline | Chameleon plan | swapped, stall | predicted | range over assumed inputs "
+        "| published | published vs range |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         for f in r.fixed:
-            source = "paper (max)" if f.published == PAPER_HEADLINE else "SmartSwap"
-            lines.append(f"| {r.scenario.label()} | {f.name} | {_plan(f.baseline)} | {_plan(f.chameleon)} | "
-                         f"{_pct(f.speedup)} | {_pct(f.published)} ({source}) |")
+            lines.append(
+                f"| {r.scenario.label()} | {f.name} | {f.baseline_name}: {_plan(f.baseline)} | {_chameleon(f.chameleon)} "
+                f"| {_swap(f.chameleon)} | {_pct(f.speedup)} | {_range(f.spread)} | {_pct(f.published)} ({f.source}) "
+                f"| {_verdict(f)} |")
+    if any(r.ranges for r in results):
+        lines += ["", "Assumed inputs swept: " + "; ".join(
+            f"{r.scenario.hardware}: " + ", ".join(f"{i.name} {format_input(i.name, i.low)} to {format_input(i.name, i.high)}"
+                                                   for i in scenario_inputs(r.scenario, r.result.hardware))
+            for r in _one_per_hardware(results)) + " (the global batch scales with the devices: 2-32 per device)."]
     return "\n".join(lines)
 
 
-def reproduce(scenarios: tuple[Scenario, ...] = PAPER_SCENARIOS) -> list[ScenarioResult]:
-    return [run_scenario(s) for s in scenarios]
+def reproduce(scenarios: tuple[Scenario, ...] = PAPER_SCENARIOS, ranges: bool = True) -> list[ScenarioResult]:
+    out = []
+    for scenario in scenarios:
+        logger.info("reproduction: %s", scenario.label())
+        out.append(run_scenario(scenario, ranges=ranges))
+    return out
 
 
 __all__ = ["PAPER_SCENARIOS", "FixedComparison", "Layout", "Scenario", "ScenarioResult", "markdown", "reproduce",
-           "run_scenario"]
+           "run_scenario", "scenario_inputs"]

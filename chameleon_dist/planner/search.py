@@ -27,6 +27,7 @@ from chameleon_dist.policy.model import Infeasibility
 logger = logging.getLogger(__name__)
 
 FEASIBLE, OUT_OF_MEMORY, PRUNED = "feasible", "out of memory", "pruned"
+TIE_FRACTION = 0.02  # plans this close in predicted time tie: the cost model's own error is larger
 
 
 class Approach(enum.StrEnum):
@@ -70,6 +71,12 @@ class Plan:
     reason: str = ""  # why it is not the best (filled by the search)
     tokens_per_iteration: int = 0
     model_flops: float = 0.0
+    budget_bytes: int = 0  # what the plan may fill: usable memory less the memory margin
+
+    @property
+    def free_bytes(self) -> int:
+        """Usable device memory the plan leaves free at its peak (the margin included)."""
+        return self.usable_bytes - self.peak_bytes
 
     @property
     def feasible(self) -> bool:
@@ -104,6 +111,7 @@ class Plan:
         data = {
             "layout": self.layout.to_dict(), "describe": self.layout.describe(), "status": self.status,
             "reason": self.reason, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes,
+            "budget_bytes": self.budget_bytes, "free_bytes": self.free_bytes,
             "no_swap_peak_bytes": max(m.peak_bytes for m in self.memory),
             "iteration_s": self.iteration_s, "time": self.time.to_dict(),
             "tokens_per_s_per_device": self.tokens_per_s_per_device(),
@@ -122,8 +130,8 @@ def evaluate(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetu
     plan = Plan(layout, memory, iteration_time(model, hardware, setup, layout), hardware.usable_bytes,
                 peak_bytes=max(m.peak_bytes for m in memory),
                 tokens_per_iteration=setup.global_batch_size * setup.seq_length,
-                model_flops=model_flops_per_iteration(model, setup))
-    if plan.peak_bytes <= hardware.usable_bytes:
+                model_flops=model_flops_per_iteration(model, setup), budget_bytes=setup.budget_bytes(hardware))
+    if plan.peak_bytes <= plan.budget_bytes:
         return plan
     plan.status = OUT_OF_MEMORY
     if layout.swap and run_swap:
@@ -134,13 +142,14 @@ def evaluate(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetu
 def _apply_swap(plan: Plan, model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup) -> None:
     timing = stage_timing(model, hardware, setup, plan.layout)
     estimates = [estimate_swap(model, hardware, setup, plan.layout, m, timing)
-                 for m in stages_needing_swap(plan.memory, hardware.usable_bytes)]
+                 for m in stages_needing_swap(plan.memory, plan.budget_bytes)]
     plan.swap = estimates
     stall = max(e.stall_s for e in estimates)
     plan.time = iteration_time(model, hardware, setup, plan.layout, stall_s=stall)
     others = [m.peak_bytes for m in plan.memory if m.stage not in {e.stage for e in estimates}]
     plan.peak_bytes = max([e.peak_bytes for e in estimates] + others)
-    plan.status = FEASIBLE if all(e.feasible for e in estimates) and plan.peak_bytes <= hardware.usable_bytes else OUT_OF_MEMORY
+    fits = all(e.feasible for e in estimates) and plan.peak_bytes <= plan.budget_bytes
+    plan.status = FEASIBLE if fits else OUT_OF_MEMORY
 
 
 def _fit_block(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> Layout | None:
@@ -149,7 +158,7 @@ def _fit_block(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSe
 
     def fits(n: int) -> bool:
         trial = dataclasses.replace(layout, recompute_layers=n)
-        return max(m.peak_bytes for m in rank_peaks(model, setup, trial)) <= hardware.usable_bytes
+        return max(m.peak_bytes for m in rank_peaks(model, setup, trial)) <= setup.budget_bytes(hardware)
 
     low, high = 1, per_chunk - 1
     if _fits_without(model, hardware, setup, layout) or not fits(high):
@@ -165,7 +174,7 @@ def _fit_block(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSe
 
 def _fits_without(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> bool:
     plain = dataclasses.replace(layout, recompute=RecomputeMode.NONE, recompute_layers=0)
-    return max(m.peak_bytes for m in rank_peaks(model, setup, plain)) <= hardware.usable_bytes
+    return max(m.peak_bytes for m in rank_peaks(model, setup, plain)) <= setup.budget_bytes(hardware)
 
 
 @dataclasses.dataclass
@@ -181,6 +190,22 @@ class SearchResult:
     @property
     def best(self) -> Plan | None:
         return self.plans[0] if self.plans and self.plans[0].feasible else None
+
+    def ties(self) -> list[Plan]:
+        """Plans that fit within ``TIE_FRACTION`` of the best's time (the best first): the model cannot rank them."""
+        best = self.best
+        if best is None:
+            return []
+        return [p for p in self.plans if p.feasible and p.iteration_s <= best.iteration_s * (1 + TIE_FRACTION)]
+
+    @property
+    def recommended(self) -> Plan | None:
+        """Among the ties, the one to run: the most standard layout (fewest departures from TP and DP alone),
+        then the most free memory, then the fastest."""
+        ties = self.ties()
+        if not ties:
+            return None
+        return min(ties, key=lambda p: (len(departures(p.layout)), -p.free_bytes, p.iteration_s))
 
     def best_of(self, approach: Approach) -> Plan | None:
         return next((p for p in self.plans if p.feasible and p.approach == approach), None)
@@ -200,10 +225,19 @@ class SearchResult:
             return other.iteration_s / chameleon.iteration_s - 1
 
         baseline = min((p for p in (recompute, parallel) if p is not None), key=lambda p: p.iteration_s, default=None)
+        swapping = self.best_of(Approach.SWAP)  # the fastest plan that really swaps (None: none fits or none needs it)
+        recompute_off = None
+        if recompute is not None and parallel is not None:
+            recompute_off = recompute.iteration_s / parallel.iteration_s - 1
         return {Approach.SWAP.value: chameleon, Approach.RECOMPUTE.value: recompute,
                 Approach.PARALLEL.value: parallel,
                 "speedup_vs_recompute": speedup(recompute), "speedup_vs_parallel": speedup(parallel),
-                "speedup_vs_best_without_swap": speedup(baseline)}
+                "speedup_vs_best_without_swap": speedup(baseline),
+                # whether Chameleon's plan swaps at all: when it does not, the speedups above are what turning
+                # recomputation off (or a layout change) gains, not what swapping gains
+                "swap_needed": chameleon is not None and chameleon.layout.swap,
+                "swapping": swapping,
+                "recompute_off_gain": recompute_off}
 
     def infeasible_message(self) -> str:
         """Why nothing fits, naming what to change."""
@@ -212,15 +246,18 @@ class SearchResult:
             return "no layout was evaluated"
         worst = max(smallest.memory, key=lambda m: m.peak_bytes)
         gb = 1e9
-        what = ("the model state alone" if worst.state.total_bytes + worst.workspace_bytes > self.hardware.usable_bytes
+        budget = self.setup.budget_bytes(self.hardware)
+        what = ("the model state alone" if worst.state.total_bytes + worst.workspace_bytes > budget
                 else "model state plus the activations of one micro-batch")
         return (
             f"nothing fits on {self.world_size} x {self.hardware.name}: {what} does not fit. The smallest per-rank "
             f"peak is {smallest.peak_bytes / gb:.1f} GB ({smallest.layout.describe()}: model state "
             f"{worst.state.total_bytes / gb:.1f} GB, workspace {worst.workspace_bytes / gb:.1f} GB, activations "
             f"{worst.activation_bytes / gb:.1f} GB, transient {worst.transient_bytes / gb:.1f} GB) against "
-            f"{self.hardware.usable_bytes / gb:.1f} GB usable (memory_bytes - reserved_bytes of {self.hardware.name}). "
-            "Raise --devices, lower --seq or --global-batch, or use a hardware profile with more memory."
+            f"{budget / gb:.1f} GB allowed ({self.hardware.usable_bytes / gb:.1f} GB usable, memory_bytes - "
+            f"reserved_bytes of {self.hardware.name}, less the {self.setup.memory_margin * 100:g}% memory margin). "
+            "Raise --devices, lower --seq or --global-batch or --memory-margin, or use a hardware profile with more "
+            "memory."
         )
 
 
@@ -278,10 +315,10 @@ def _explain(result: SearchResult) -> None:
                 failed = next((s for s in plan.swap if not s.feasible), plan.swap[0])
                 why = why_swap_failed(failed)
                 plan.reason = (f"out of memory even with swap: stage {failed.stage} peaks at "
-                               f"{failed.peak_bytes / gb:.1f} GB > {plan.usable_bytes / gb:.1f} GB usable ({why})")
+                               f"{failed.peak_bytes / gb:.1f} GB > {plan.budget_bytes / gb:.1f} GB allowed ({why})")
             else:
                 plan.reason = (f"out of memory: stage {worst.stage} needs {worst.peak_bytes / gb:.1f} GB > "
-                               f"{plan.usable_bytes / gb:.1f} GB usable")
+                               f"{plan.budget_bytes / gb:.1f} GB allowed")
         elif plan.status == PRUNED:
             plan.reason = "slower than the best plan without recomputation even before any swap stall"
         elif best is not None and plan is not best:
@@ -290,10 +327,43 @@ def _explain(result: SearchResult) -> None:
             extra = plan.iteration_s / best.iteration_s - 1
             if extra < 5e-4:
                 plan.reason = "as fast as the best (a tie; the best is first in layout order)"
+            elif extra <= TIE_FRACTION:
+                plan.reason = (f"a tie: {extra * 100:.1f}% slower, within the model's {TIE_FRACTION * 100:g}% error"
+                               f"{preferences(plan, best)}")
             else:
                 plan.reason = f"{extra * 100:.1f}% slower: {COMPONENT_LABELS[cause]} +{deltas[cause]:.2f} s"
         elif plan is best:
             plan.reason = "best"
+
+
+def departures(layout: Layout) -> list[str]:
+    """What a layout adds to the plainest one that Megatron users run (TP inside a node, DP across), in the
+    words of the tie reasons; fewer is "more standard"."""
+    out = []
+    if layout.swap:
+        out.append("swap")
+    if layout.recompute != RecomputeMode.NONE:
+        out.append("recomputation")
+    if getattr(layout, "cp", 1) > 1:
+        out.append("context parallelism")
+    if layout.pp > 1:
+        out.append("pipeline")
+    if layout.vpp > 1:
+        out.append("interleaving")
+    return out
+
+
+def preferences(plan: Plan, best: Plan) -> str:
+    """``plan``'s reasons to be preferred over ``best`` (they tie on time): more headroom, fewer departures
+    from a plain layout; "" when it has none."""
+    reasons = []
+    more_free = plan.free_bytes - best.free_bytes
+    if more_free >= 0.5e9:
+        reasons.append(f"{more_free / 1e9:.1f} GB more free")
+    dropped = [d for d in departures(best.layout) if d not in departures(plan.layout)]
+    if dropped:
+        reasons.append("no " + ", no ".join(dropped))
+    return "; prefer it for " + " and ".join(reasons) if reasons else ""
 
 
 def why_swap_failed(estimate: SwapEstimate) -> str:
@@ -301,5 +371,6 @@ def why_swap_failed(estimate: SwapEstimate) -> str:
     return _WHY_SWAP_FAILED.get(estimate.infeasibility, _COPIES_TOO_SLOW)
 
 
-__all__ = ["FEASIBLE", "OUT_OF_MEMORY", "PRUNED", "Approach", "Plan", "PlanError", "SearchResult", "SearchSpace",
-           "evaluate", "layouts", "search", "why_swap_failed"]
+__all__ = ["FEASIBLE", "OUT_OF_MEMORY", "PRUNED", "TIE_FRACTION", "Approach", "Plan", "PlanError", "SearchResult", "SearchSpace",
+           "departures", "evaluate", "layouts", "preferences", "search",
+           "why_swap_failed"]

@@ -128,6 +128,7 @@ def predict_single_device(model_profile: ModelProfile, hardware_profile: Hardwar
         raise ValueError(f"unknown approaches {unknown}; choose from {', '.join(APPROACHES)}")
     model = stage_model(model_profile, num_layers)
     hardware = with_budget(hardware_profile, budget_bytes)
+    setup_settings.setdefault("memory_margin", 0.0)  # the budget is the run's own: nothing else shares it
     setup = make_setup(global_batch_size=micro_batch_size * micro_batches, seq_length=seq_length, **setup_settings)
     out = {}
     for approach in approaches:

@@ -165,7 +165,7 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
     """Run the policy generator on the stage's trace; stall and peak as the simulator predicts them."""
     m = layout.num_micro_batches(setup.global_batch_size)
     last = layout.holds_head(memory.stage)
-    budget = hardware.usable_bytes
+    budget = setup.budget_bytes(hardware)
     if budget <= memory.static_bytes + max(memory.forward_extra_bytes, memory.backward_extra_bytes):
         return SwapEstimate(memory.stage, False, 0.0, memory.peak_bytes, max(budget, 0), 0, 0,
                             reason="model state, workspace and transients alone exceed the device",

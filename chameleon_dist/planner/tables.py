@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from chameleon_dist.planner.search import FEASIBLE, OUT_OF_MEMORY, PRUNED, Plan, SearchResult
+from chameleon_dist.planner.search import FEASIBLE, OUT_OF_MEMORY, PRUNED, TIE_FRACTION, Plan, SearchResult, preferences
+from chameleon_dist.planner.sensitivity import BEST_TIME, SearchSensitivity, describe_inputs, format_input
 from chameleon_dist.planner.timing import COMPONENTS
 
 GB = 1e9
 COMPARISON_ROWS = (
-    ("swap", "best with Chameleon swap (no recomputation)"),
-    ("recompute", "best with recomputation (no swap)"),
-    ("parallel", "best with TP/PP alone (no swap, no recomputation)"),
+    ("swap", "best with Chameleon swap"),  # no recomputation, swap where needed
+    ("recompute", "best with recomputation"),  # no swap
+    ("parallel", "best with TP/PP alone"),  # no swap, no recomputation
 )
 
 
@@ -56,20 +57,25 @@ def table(rows: list[list[str]], header: list[str], max_width: int = MAX_WIDTH) 
     return "\n".join(out)
 
 
+def _swap_cell(plan: Plan) -> str:
+    if not plan.layout.swap or not plan.swap:
+        return "-"
+    return f"{plan.swapped_bytes / GB:.0f} GB, stall {plan.time.stall:.2f} s"
+
+
 def plan_row(plan: Plan, best: Plan | None) -> list[str]:
     vs = "-" if best is None or plan.status == OUT_OF_MEMORY else f"{plan.iteration_s / best.iteration_s:.3f}x"
-    swap = "-"
-    if plan.swap:
-        swap = f"{plan.swapped_bytes / GB:.0f} GB, stall {plan.time.stall:.2f} s"
     time_s = f"{plan.iteration_s:.2f}" if plan.status == FEASIBLE else (f">={plan.iteration_s:.2f}" if plan.status == PRUNED else "-")
-    return [plan.layout.describe(), f"{plan.peak_bytes / GB:.1f}", time_s, vs, swap, plan.reason]
+    free = f"{plan.free_bytes / GB:.1f}" if plan.status == FEASIBLE else "-"
+    return [plan.layout.describe(), f"{plan.peak_bytes / GB:.1f}", free, time_s, vs, _swap_cell(plan), plan.reason]
 
 
 def header_text(result: SearchResult) -> str:
     s, m, h = result.setup, result.model, result.hardware
     return (
         f"chameleon-plan: {m.name} ({m.parameter_count(s.seq_length) / 1e9:.2f} B parameters) on {result.world_size} x "
-        f"{h.name} ({h.memory_bytes / GB:.0f} GB, {h.usable_bytes / GB:.0f} GB usable; host link "
+        f"{h.name} ({h.memory_bytes / GB:.0f} GB, {h.usable_bytes / GB:.0f} GB usable, plans fill at most "
+        f"{s.budget_bytes(h) / GB:.1f} GB: --memory-margin {s.memory_margin * 100:g}%; host link "
         f"{h.d2h_bytes_per_s / GB:.0f} GB/s)\n"
         f"training: global batch {s.global_batch_size} x seq {s.seq_length}, {s.precision}, ZeRO stage {s.zero_stage}, "
         f"{s.attention} attention, sequence parallel {'on' if s.sequence_parallel else 'off'}\n"
@@ -78,19 +84,49 @@ def header_text(result: SearchResult) -> str:
 
 
 def comparison_text(result: SearchResult) -> str:
+    """Best against best, each row with its plan, time, the swap plan's lead and what it swaps; where Chameleon's
+    plan needs no swap, the swap row says so and the recomputation-off gain is given on its own."""
     c = result.comparison()
     rows = []
     for key, label in COMPARISON_ROWS:
         plan = c[key]
         if plan is None:
-            rows.append([label, "none fits", "-", "-"])
+            rows.append([label, "none fits", "-", "-", "-"])
             continue
+        describe = plan.layout.describe()
+        if key == "swap" and not c["swap_needed"]:
+            describe = f"no swap needed: {describe}"
         speed = "-" if key == "swap" else _pct(c[f"speedup_vs_{key}"])
-        rows.append([label, plan.layout.describe(), f"{plan.iteration_s:.2f}", speed])
-    text = table(rows, ["comparison", "plan", "iteration s", "swap plan faster by"])
-    if c["speedup_vs_best_without_swap"] is not None:
+        rows.append([label, describe, f"{plan.iteration_s:.2f}", speed, _swap_cell(plan)])
+    text = table(rows, ["comparison", "plan", "s", "swap plan ahead", "swapped, stall"])
+    if not c["swap_needed"]:
+        swapping = c["swapping"]
+        text += "\nno swap needed: the best plan without recomputation fits without swapping"
+        if c["recompute_off_gain"] is not None:
+            text += (f"; turning recomputation off (best TP/PP plan vs best recomputation plan) gains "
+                     f"{_pct(c['recompute_off_gain'])}")
+        if swapping is not None:
+            text += (f"; the best plan that swaps ({swapping.layout.describe()}) is "
+                     f"{_pct(swapping.iteration_s / c['swap'].iteration_s - 1)} slower")
+    elif c["speedup_vs_best_without_swap"] is not None:
         text += f"\nswap plan vs the best plan without swap: {_pct(c['speedup_vs_best_without_swap'])}"
     return text
+
+
+def ties_text(result: SearchResult) -> list[str]:
+    """The plans that tie with the best (within the model's error) and the one to prefer, with why."""
+    ties = result.ties()
+    if len(ties) < 2:
+        return []
+    best, pick = result.best, result.recommended
+    lines = [f"{len(ties) - 1} plan(s) within {TIE_FRACTION * 100:g}% of the best, the cost model's error: a tie."]
+    if pick is best:
+        lines.append(f"  recommended: the best plan ({best.layout.describe()}): no tie is more standard or "
+                     f"has more free memory ({best.free_bytes / GB:.1f} GB free)")
+    else:
+        lines.append(f"  recommended: {pick.layout.describe()} ({_pct(pick.iteration_s / best.iteration_s - 1)}, "
+                     f"{pick.free_bytes / GB:.1f} GB free{preferences(pick, best)})")
+    return lines
 
 
 def text_report(result: SearchResult, top: int = 12) -> str:
@@ -108,10 +144,15 @@ def text_report(result: SearchResult, top: int = 12) -> str:
         if best.swap:
             lines.append(f"  swap: {best.swapped_bytes / GB:.1f} GB per iteration to the host; predicted peak "
                          f"{best.peak_bytes / GB:.1f} GB of {best.usable_bytes / GB:.1f} GB usable")
+        lines.append(f"  free at the peak: {best.free_bytes / GB:.1f} GB of {best.usable_bytes / GB:.1f} GB usable "
+                     f"(every plan leaves at least {(best.usable_bytes - best.budget_bytes) / GB:.1f} GB: "
+                     f"--memory-margin)")
+        lines += ties_text(result)
         lines += ["", comparison_text(result)]
     feasible = [p for p in result.plans if p.status == FEASIBLE]
     shown = feasible[:top]
-    for plan in (result.comparison()[k] for k, _ in COMPARISON_ROWS):
+    extra = [result.comparison()[k] for k, _ in COMPARISON_ROWS] + [result.recommended]
+    for plan in extra:
         if plan is not None and plan not in shown:
             shown.append(plan)
     oom = [p for p in result.plans if p.status == OUT_OF_MEMORY]
@@ -120,7 +161,36 @@ def text_report(result: SearchResult, top: int = 12) -> str:
     lines += ["", f"alternatives ({len(feasible)} fit, {len(pruned)} pruned, {len(oom)} out of memory; top {len(shown)} "
                   f"that fit and the {len(fastest_oom)} fastest that do not):"]
     rows = [plan_row(p, best) for p in shown + fastest_oom]
-    lines.append(table(rows, ["plan", "peak GB", "iteration s", "vs best", "swap", "why not the best"]))
+    lines.append(table(rows, ["plan", "peak GB", "free GB", "iteration s", "vs best", "swap", "why not the best"]))
+    return "\n".join(_fit(line) for text in lines for line in text.split("\n"))
+
+
+def sensitivity_text(sensitivity: SearchSensitivity) -> str:
+    """The headline speedups as ranges over the assumed inputs, the input that moves each most, and the plans
+    that are best somewhere in the ranges."""
+    if not sensitivity.inputs:
+        return f"sensitivity: {sensitivity.hardware} marks no input as assumed (its `assumed:` block): nothing to sweep"
+    inputs = ", ".join(f"{i.name} {format_input(i.name, i.low)} to {format_input(i.name, i.high)}"
+                       for i in sensitivity.inputs)
+    rows = []
+    for name, spread in sensitivity.ranges.items():
+        percent = name != BEST_TIME
+
+        def show(value: float | None) -> str:
+            return "-" if value is None else (_pct(value) if percent else f"{value:.2f}")
+
+        most = "-" if spread.most is None else (
+            f"{spread.most} ({spread.swing * 100:.1f} points)" if percent else f"{spread.most} ({spread.swing:.2f} s)")
+        rows.append([name, show(spread.value), f"{show(spread.low)} to {show(spread.high)}", most])
+    lines = [f"sensitivity over the assumed inputs of {sensitivity.hardware} ({inputs}):",
+             table(rows, ["figure", "at the profile", "range", "moved most by"])]
+    if len(sensitivity.best_plans) > 1:
+        lines.append("the best plan changes within the ranges:")
+        for name, settings in sensitivity.best_plans.items():
+            where = "; ".join(describe_inputs(at) for at in settings[:3]) + (" ..." if len(settings) > 3 else "")
+            lines.append(f"  {name}: at {where}")
+    else:
+        lines.append(f"the best plan is the same over the ranges: {next(iter(sensitivity.best_plans))}")
     return "\n".join(_fit(line) for text in lines for line in text.split("\n"))
 
 
@@ -132,6 +202,9 @@ def result_dict(result: SearchResult, top: int | None = None) -> dict:
         "setup": result.setup.model_dump(), "devices": result.world_size,
         "elapsed_s": result.elapsed_s, "policy_runs": result.policy_runs,
         "best": None if result.best is None else result.best.to_dict(result.hardware),
+        "memory_margin": result.setup.memory_margin,
+        "ties": [p.layout.describe() for p in result.ties()],
+        "recommended": None if result.recommended is None else result.recommended.layout.describe(),
         "infeasible_message": None if result.best is not None else result.infeasible_message(),
         "comparison": {k: (v.to_dict(result.hardware) if isinstance(v, Plan) else v) for k, v in c.items()},
         "alternatives": [_compact(p) for p in plans],
@@ -143,4 +216,5 @@ def _compact(plan: Plan) -> dict:
         "layout": dataclasses.asdict(plan.layout), "describe": plan.layout.describe(), "status": plan.status,
         "iteration_s": plan.iteration_s, "peak_bytes": plan.peak_bytes, "reason": plan.reason,
         "time": plan.time.to_dict(), "swapped_bytes": plan.swapped_bytes,
+        "free_bytes": plan.free_bytes, "budget_bytes": plan.budget_bytes,
     }
