@@ -17,6 +17,7 @@ and the predicted iteration time is compared with the measured one for each sett
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import statistics
 import time
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validate", action="store_true", help="also measure memory and time on the CPU (~1 min)")
     args = parser.parse_args(argv)
     from chameleon_dist.planner.reproduce import markdown, reproduce
+
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("chameleon_dist.planner.reproduce").setLevel(logging.INFO)  # one line per scenario (~20 s each)
 
     start = time.perf_counter()
     tables = markdown(reproduce())
