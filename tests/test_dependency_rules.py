@@ -112,6 +112,21 @@ def test_import_initialises_no_cuda_and_no_framework():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+def test_the_planner_command_never_imports_torch():
+    """``chameleon-plan`` is pure Python: torch's import alone took it past its 2 s budget for a 64-device search
+    (found in issue 29: the policy generator had come to import torch through trace/exactness.py)."""
+    code = (
+        "import sys\n"
+        "from chameleon_dist.cli import plan\n"
+        "code = plan.main(['--devices', '8', '--seq', '8192', '--global-batch', '64', '--json'])\n"
+        "assert code == 0, code\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'deepspeed'))\n"
+        "assert not bad, bad[:5]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_library_logs_instead_of_printing():
     offenders = []
     for rel, tree in _modules():

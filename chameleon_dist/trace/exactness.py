@@ -30,9 +30,14 @@ applies decides):
 from __future__ import annotations
 
 import enum
+import importlib
 from typing import Any
 
-import torch
+def _torch() -> Any:
+    """torch, imported on first use: the planner runs the policy generator on coarse traces whose op names
+    are not torch ops, and must not pay torch's import (``chameleon-plan`` stays torch-free)."""
+    return importlib.import_module("torch")
+
 
 ATOMICS = frozenset({
     "bincount", "histc", "index_add", "index_copy", "index_reduce", "index_put", "_unsafe_index_put", "put",
@@ -86,10 +91,10 @@ def schema_verdict(func: Any) -> Replay:
     if any(_is_generator(a.type) for a in arguments):
         return Replay.REFUSED
     tags = getattr(func, "tags", ())
-    if torch.Tag.nondeterministic_bitwise in tags:
+    if _torch().Tag.nondeterministic_bitwise in tags:
         return Replay.REFUSED
     names = {a.name for a in arguments}
-    if torch.Tag.nondeterministic_seeded in tags:
+    if _torch().Tag.nondeterministic_seeded in tags:
         if names & {"dropout_p", *_TRAIN_ARGUMENTS} or (name in ZERO_P_DRAWS_NOTHING and "p" in names):
             return Replay.BY_ARGUMENTS
         return Replay.REFUSED
@@ -109,7 +114,7 @@ def replays_exactly(func: Any, args: tuple = (), kwargs: dict | None = None, ver
             return True
     if values.has("dropout_p"):
         return _is_zero(values.get("dropout_p"))
-    if torch.Tag.nondeterministic_seeded not in func.tags:
+    if _torch().Tag.nondeterministic_seeded not in func.tags:
         return True  # (a ``dropout_p`` is all that made it depend on its arguments)
     return func._opname in ZERO_P_DRAWS_NOTHING and values.has("p") and _is_zero(values.get("p"))
 
@@ -121,7 +126,7 @@ def op_named(name: str) -> Any | None:
         return None
     namespace, op, overload = parts
     try:
-        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        return getattr(getattr(getattr(_torch().ops, namespace), op), overload)
     except (AttributeError, RuntimeError):
         return None
 
@@ -174,7 +179,7 @@ class _ArgumentValues:
 
 def _is_generator(argument_type: Any) -> bool:
     """``Generator`` or ``Generator?`` (the schema's type objects print as "Generator", "Optional[Generator]")."""
-    if isinstance(argument_type, torch.OptionalType):
+    if isinstance(argument_type, _torch().OptionalType):
         argument_type = argument_type.getElementType()
     return str(argument_type) == "Generator"
 
