@@ -1,4 +1,4 @@
-"""A parallel layout (TP, PP, DP, VPP, EP, micro-batch size, recompute, swap) and its pipeline schedule.
+"""A parallel layout (TP, CP, PP, DP, VPP, EP, micro-batch size, recompute, swap) and its pipeline schedule.
 
 Schedules follow Megatron-core: non-interleaved 1F1B (stage ``i`` of ``p`` runs ``p - i - 1`` warm-up
 forwards, then alternates one forward and one backward, then drains), and the interleaved schedule with
@@ -48,9 +48,13 @@ class Layout:
     # e.g. a middle stage's layers alone on one device (``single_device``); the search keeps both on.
     pre_process: bool = True
     post_process: bool = True
+    # Context parallelism (Megatron's context_parallel_size): each of ``cp`` ranks holds ``seq / cp`` tokens
+    # of every activation; ranks are ordered TP, CP, DP, PP (Megatron's default "tp-cp-ep-dp-pp"). Last, so
+    # that positional constructions keep their meaning.
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp", "micro_batch", "ep"):
+        for name in ("tp", "pp", "dp", "vpp", "micro_batch", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -63,7 +67,12 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together (Megatron's dp_cp group)."""
+        return self.dp * self.cp
 
     def holds_embedding(self, stage: int) -> bool:
         return stage == 0 and self.pre_process
@@ -85,6 +94,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.cp > 1:
+            parts.insert(1, f"CP{self.cp}")
         if self.vpp > 1:
             parts.append(f"VPP{self.vpp}")
         if self.ep > 1:

@@ -6,6 +6,9 @@ the variants the planner meets: fp32, no dropout, SwiGLU (fused or not), grouped
 experts, flash attention (no ``a s^2`` terms: what selective recomputation achieves). With sequence
 parallelism every activation is divided by the TP degree; without it the norm inputs, the inputs of the
 column-parallel linears and the dropout masks are replicated (``10 + 24 / t`` in the paper's terms).
+With context parallelism each of the ``cp`` ranks holds ``s / cp`` tokens of every activation (flash
+attention: no ``s x s`` tensor), and the model state is replicated across CP ranks, sharded by ZeRO over
+the ``dp x cp`` ranks (Megatron's distributed optimizer uses the dp_cp group).
 Selective recomputation drops the attention core; full recomputation keeps only each layer's input and
 rebuilds one layer at a time in backward.
 
@@ -100,10 +103,11 @@ def _norm_stats_bytes(model: ModelProfile) -> int:
 
 
 def layer_activations(model: ModelProfile, setup: TrainingSetup, tp: int, micro_batch: int,
-                      recompute: RecomputeMode = RecomputeMode.NONE) -> LayerActivations:
-    """What one layer saves for backward (see the module docstring), in bytes per rank."""
+                      recompute: RecomputeMode = RecomputeMode.NONE, cp: int = 1) -> LayerActivations:
+    """What one layer saves for backward (see the module docstring), in bytes per rank (of ``cp`` context-
+    parallel ranks, each holding ``seq_length / cp`` tokens)."""
     e = setup.activation_bytes
-    tokens = setup.seq_length * micro_batch
+    tokens = setup.seq_length * micro_batch // cp
     sp = setup.sequence_parallel and tp > 1
     rep = tp if sp else 1  # divisor of the parts that sequence parallelism shards
     h, kv, f, a, s = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.num_attention_heads, setup.seq_length
@@ -151,10 +155,11 @@ def layer_activations(model: ModelProfile, setup: TrainingSetup, tp: int, micro_
     return LayerActivations(tuple(t_ for t_ in out if t_.nbytes > 0), recompute)
 
 
-def head_activations(model: ModelProfile, setup: TrainingSetup, tp: int, micro_batch: int) -> tuple[SavedTensor, ...]:
+def head_activations(model: ModelProfile, setup: TrainingSetup, tp: int, micro_batch: int,
+                     cp: int = 1) -> tuple[SavedTensor, ...]:
     """The last stage's extras per micro-batch: final norm, output-layer input, fp32 softmax of the logits
     (vocab-parallel cross-entropy keeps it for backward)."""
-    e, tokens = setup.activation_bytes, setup.seq_length * micro_batch
+    e, tokens = setup.activation_bytes, setup.seq_length * micro_batch // cp
     rep = tp if setup.sequence_parallel and tp > 1 else 1
     h, v = model.hidden_size, model.vocab_size
     return (
@@ -212,7 +217,7 @@ class ModelState:
 def model_state(params: StageParams, setup: TrainingSetup, layout: Layout) -> ModelState:
     """Bytes of parameters, gradients and optimizer state on one rank (ZeRO stage ``setup.zero_stage``;
     stage 1 is Megatron's distributed optimizer)."""
-    dp, edp = layout.dp, layout.dp // layout.ep
+    dp, edp = layout.dp_cp, layout.dp_cp // layout.ep  # ZeRO shards over the dp x cp ranks
     zero = setup.zero_stage
 
     def sharded(count_bytes: float, dense: bool, from_stage: int) -> int:
@@ -265,7 +270,7 @@ def workspace_bytes(model: ModelProfile, setup: TrainingSetup, layout: Layout) -
     """Unfused attention in Megatron keeps a global buffer for the ``b (a/t) s s`` scores and the
     ``s x s`` boolean mask; every stage holds one micro-batch's inputs."""
     s, b = setup.seq_length, layout.micro_batch
-    inputs = INPUT_BYTES_PER_TOKEN * s * b
+    inputs = INPUT_BYTES_PER_TOKEN * s * b // layout.cp
     if setup.attention != "unfused":
         return inputs
     heads = model.num_attention_heads // layout.tp
@@ -346,12 +351,12 @@ def _stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, sta
                          f"({layout.dp} x {layout.micro_batch}); raise global_batch_size")
     last = layout.holds_head(stage)
     tp, b = layout.tp, layout.micro_batch
-    acts = layer_activations(model, setup, tp, b, layout.recompute)
+    acts = layer_activations(model, setup, tp, b, layout.recompute, cp=layout.cp)
     chunks = in_flight_chunks(stage, layout.pp, layout.vpp, m)
     per_chunk = stage_layers(model, layout) // layout.vpp
     layers = chunks * per_chunk
     recomputed = layout.recomputed_layers(per_chunk)
-    head = sum(x.nbytes for x in head_activations(model, setup, tp, b)) if last else 0
+    head = sum(x.nbytes for x in head_activations(model, setup, tp, b, cp=layout.cp)) if last else 0
     params = stage_params(model, setup, layout, stage)
     state = model_state(params, setup, layout)
     grads_transient = not setup.persistent_grads and m == 1
@@ -361,7 +366,7 @@ def _stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, sta
     one_layer_grads = all_grads // max(1, stage_layers(model, layout)) if grads_transient else 0
     e = setup.activation_bytes
     rep = tp if setup.sequence_parallel and tp > 1 else 1
-    hidden_grad = model.hidden_size * e * setup.seq_length * b // rep
+    hidden_grad = model.hidden_size * e * setup.seq_length * b // rep // layout.cp
     output_grads = model.vocab_size * model.hidden_size * setup.grad_bytes // tp if grads_transient and last else 0
     core = acts.core_bytes if setup.attention == "unfused" else 0
 
@@ -377,7 +382,7 @@ def _stage_memory(model: ModelProfile, setup: TrainingSetup, layout: Layout, sta
         rebuilt_extra = max(rebuilt + mlp_grads, rebuilt - acts.mlp_bytes + attention_grads)
     head_extra = hidden_grad + output_grads if last else 0
     if last and setup.activation_bytes < FP32_BYTES:  # the logits in the model's dtype beside the fp32 copy
-        head_extra += model.vocab_size * e * setup.seq_length * b // tp
+        head_extra += model.vocab_size * e * setup.seq_length * b // tp // layout.cp
     layer_grads = output_grads + one_layer_grads
     points = {  # (stored activations, transient on top of them)
         "the start of backward": (stored + head + active, head_extra),

@@ -1,4 +1,4 @@
-"""The search space: which (TP, PP, DP, VPP, EP, micro-batch, recompute, swap) combinations a world size
+"""The search space: which (TP, CP, PP, DP, VPP, EP, micro-batch, recompute, swap) combinations a world size
 allows. Every combination of the space's values is taken in order (TP slowest, swap fastest), and each rule
 below names one reason to skip a combination; the search relies on this order to break ties.
 """
@@ -24,6 +24,13 @@ class SearchSpace:
     micro_batch: tuple[int, ...] = (1, 2, 4)
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     swap: tuple[bool, ...] = (False, True)
+    cp: tuple[int, ...] | None = None  # context parallelism; None: every degree ``cp_degrees`` allows
+
+
+MIN_TOKENS_PER_CP_RANK = 4096
+"""With an unset CP, degrees that would leave a rank fewer tokens than this are not tried: below it the
+ring's per-step attention is too short to hide the key/value exchange (Megatron's and Transformer Engine's
+guidance is CP for long sequences), and the search stays fast. An explicit ``--cp`` tries what it names."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -39,6 +46,29 @@ def _tp_fits(model: ModelProfile, hardware: HardwareProfile, world_size: int, tp
 def _pp_fits(model: ModelProfile, world_size: int, tp: int, pp: int) -> bool:
     """PP splits what TP leaves of the world, and the layers, evenly."""
     return not ((world_size // tp) % pp or model.num_layers % pp)
+
+
+def cp_degrees(setup: TrainingSetup, world_size: int) -> list[int]:
+    """CP degrees an unset ``SearchSpace.cp`` tries: divisors of the world that leave every rank at least
+    ``MIN_TOKENS_PER_CP_RANK`` tokens (always 1)."""
+    return [d for d in _divisors(world_size) if d == 1 or setup.seq_length // d >= MIN_TOKENS_PER_CP_RANK]
+
+
+def cp_problem(setup: TrainingSetup, world_size: int, tp: int, pp: int, cp: int) -> str:
+    """Why Megatron refuses context parallelism ``cp`` here ("" when it allows it): the world must split into
+    whole TP x CP x PP blocks, the sequence into ``2 cp`` chunks (the load-balanced causal split; Megatron's
+    arguments.py asserts seq_length % (2 * context_parallel_size) == 0), and only Transformer Engine's
+    attention (flash/fused) supports it (Megatron's local DotProductAttention asserts cp == 1). The TP x CP
+    span may leave the node (Megatron does not require it; it is priced at the inter-node bandwidth)."""
+    if cp == 1:
+        return ""
+    if world_size % (tp * cp * pp):
+        return f"tp x cp x pp ({tp} x {cp} x {pp}) does not divide the world ({world_size})"
+    if setup.seq_length % (2 * cp):
+        return f"the sequence length ({setup.seq_length}) is not divisible by 2 x cp ({2 * cp})"
+    if setup.attention != "flash":
+        return "context parallelism needs flash (Transformer Engine) attention, not unfused"
+    return ""
 
 
 def _ep_fits(model: ModelProfile, dp: int, ep: int) -> bool:
@@ -81,16 +111,20 @@ def layouts(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup
     world; the rules keep those that divide what is left of it."""
     divisors = _divisors(world_size)
     eps = (space.ep or divisors) if model.is_moe else (1,)
-    for tp, pp, ep, vpp, micro_batch, recompute, swap in itertools.product(
-            space.tp or divisors, space.pp or divisors, eps, space.vpp, space.micro_batch, space.recompute, space.swap):
+    cps = space.cp or cp_degrees(setup, world_size)
+    for tp, cp, pp, ep, vpp, micro_batch, recompute, swap in itertools.product(
+            space.tp or divisors, cps, space.pp or divisors, eps, space.vpp, space.micro_batch, space.recompute,
+            space.swap):
         if not (_tp_fits(model, hardware, world_size, tp) and _pp_fits(model, world_size, tp, pp)):
             continue
-        dp = world_size // (tp * pp)
+        if cp_problem(setup, world_size, tp, pp, cp):
+            continue
+        dp = world_size // (tp * cp * pp)
         if (_ep_fits(model, dp, ep) and _vpp_fits(model, pp, vpp) and _batch_fits(setup, dp, pp, vpp, micro_batch)
                 and _mode_differs(setup, recompute) and _block_fits(model, pp, vpp, recompute)
                 and _swap_alone(recompute, swap)):
             block_layers = 1 if recompute == RecomputeMode.BLOCK else 0
-            yield Layout(tp, pp, dp, vpp, micro_batch, ep, recompute, block_layers, swap)
+            yield Layout(tp, pp, dp, vpp, micro_batch, ep, recompute, block_layers, swap, cp=cp)
 
 
-__all__ = ["SearchSpace", "layouts"]
+__all__ = ["MIN_TOKENS_PER_CP_RANK", "SearchSpace", "cp_degrees", "cp_problem", "layouts"]

@@ -175,9 +175,9 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
         min_swap_bytes=setup.min_swap_bytes, host_budget_bytes=hardware.host_swap_budget_bytes(), score_c=2.0,
         trials=1, allow_recompute=False, ops_per_group=1,
     )
-    acts = layer_activations(model, setup, layout.tp, layout.micro_batch, layout.recompute)
+    acts = layer_activations(model, setup, layout.tp, layout.micro_batch, layout.recompute, cp=layout.cp)
     layer_parts = storage_parts(acts.tensors, skip_core=layout.recompute == RecomputeMode.SELECTIVE)
-    head_parts = storage_parts(head_activations(model, setup, layout.tp, layout.micro_batch))
+    head_parts = storage_parts(head_activations(model, setup, layout.tp, layout.micro_batch, cp=layout.cp))
     runs = []
     for count in _simulated_counts(layout, memory.stage, m):
         trace, times = build_stage_trace(memory, timing, layout, count, last, layer_parts, head_parts)
