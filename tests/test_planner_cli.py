@@ -27,7 +27,7 @@ def test_json_output_is_consistent(capsys):
     best = data["best"]
     assert best["status"] == "feasible" and best["peak_bytes"] <= best["usable_bytes"]
     layout = best["layout"]
-    assert layout["tp"] * layout["pp"] * layout["dp"] == 8
+    assert layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"] == 8
     feasible = [a for a in data["alternatives"] if a["status"] == "feasible"]
     assert best["iteration_s"] == min(a["iteration_s"] for a in feasible)
     c = data["comparison"]

@@ -14,7 +14,17 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from chameleon_dist.config import ConfigError, read_mapping
 from chameleon_dist.config.shipped import CONFIGS_DIR
@@ -197,6 +207,12 @@ class HardwareProfile(_Profile):
                     raise ValueError(f"assumed.{name}: {exc}") from None
             ranges[name] = tuple(parsed)
         return {**data, "assumed": ranges}
+    # Megatron's communication-overlap switches as this cluster runs them (None: Megatron's default,
+    # MEGATRON_OVERLAP_DEFAULTS); the CLI's --[no-]overlap-... flags override them.
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
+    tp_comm_overlap: bool | None = None
+    overlap_p2p_comm: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -256,16 +272,58 @@ class TrainingSetup(BaseModel):
     sequence_parallel: bool = True  # with TP > 1 (Megatron's recommendation)
     persistent_grads: bool = True  # a gradient buffer that lives all iteration (Megatron DDP)
     fused_swiglu: bool = True  # SwiGLU saves its input only (bias_swiglu_fusion)
-    tp_comm_overlap: float = Field(0.0, ge=0, le=1)  # fraction of TP communication hidden under compute
-    dp_comm_overlap: float = Field(0.0, ge=0, le=1)  # fraction of the gradient reduction hidden
+    # Megatron's ``--tp-comm-overlap`` (a bool: each TP collective hidden under the GEMM it is paired with),
+    # or, as before, a number: the fraction of the TP communication left after that hidden (superseded).
+    tp_comm_overlap: bool | float = False
+    dp_comm_overlap: float = Field(0.0, ge=0, le=1)  # extra fraction of the exposed gradient reduction hidden
     min_swap_bytes: int = Field(0, ge=0)
     # Of the usable device memory, what every plan must leave free (docs/planner.md, "Headroom"): allocator
     # fragmentation, communication buffers and what else a real job allocates that the model does not see.
     memory_margin: float = Field(DEFAULT_MEMORY_MARGIN, ge=0, lt=1)
+    # Megatron's switches (megatron/training/arguments.py; defaults in MEGATRON_OVERLAP_DEFAULTS)
+    overlap_grad_reduce: bool = False  # the gradient reduce-scatter/all-reduce under the last backward
+    overlap_param_gather: bool = False  # the distributed optimizer's parameter all-gather under the first forward
+    overlap_p2p_comm: bool = True  # interleaved schedule only: PP sends/receives under the next chunk's compute
 
     def budget_bytes(self, hardware: HardwareProfile) -> int:
         """Device bytes a plan may fill: the hardware's usable memory less the memory margin."""
         return int(hardware.usable_bytes * (1 - self.memory_margin))
+
+    @field_validator("tp_comm_overlap", mode="before")
+    @classmethod
+    def _tp_overlap_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        """A bool stays Megatron's switch (which needs sequence parallelism: Megatron asserts it); any other
+        number is the old hidden fraction, in [0, 1]."""
+        if value is True and not info.data.get("sequence_parallel", True):
+            raise ValueError("Megatron's TP communication overlap needs sequence parallelism; drop "
+                             "--no-sequence-parallel or add --no-tp-comm-overlap")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value
+        if not 0 <= value <= 1:
+            raise ValueError(f"a hidden fraction must be in [0, 1], got {value}; or true/false for Megatron's switch")
+        return float(value)
+
+    @field_validator("overlap_param_gather")
+    @classmethod
+    def _param_gather_needs(cls, value: bool, info: ValidationInfo) -> bool:
+        """The combinations Megatron refuses (megatron/training/arguments.py asserts)."""
+        if value and not info.data.get("overlap_grad_reduce", False):
+            raise ValueError("Megatron needs --overlap-grad-reduce with --overlap-param-gather; add "
+                             "--overlap-grad-reduce or --no-overlap-param-gather")
+        if value and info.data.get("zero_stage", 1) < 1:
+            raise ValueError("Megatron overlaps the parameter all-gather of the distributed optimizer only "
+                             "(zero_stage >= 1); raise --zero-stage or add --no-overlap-param-gather")
+        return value
+
+    @property
+    def tp_comm_hidden_fraction(self) -> float:
+        """The old fraction of the (modelled) exposed TP communication hidden on top; 0 with the bool switch."""
+        return 0.0 if isinstance(self.tp_comm_overlap, bool) else self.tp_comm_overlap
+
+    @property
+    def tp_comm_gemm_overlap(self) -> bool:
+        """Megatron's --tp-comm-overlap: TP collectives hidden under their paired GEMMs."""
+        return self.tp_comm_overlap is True
 
     @property
     def activation_bytes(self) -> int:
@@ -285,6 +343,31 @@ class TrainingSetup(BaseModel):
     def optimizer_bytes(self) -> int:
         """Adam state per parameter: m and v, plus an fp32 master copy in mixed precision."""
         return 8 if self.precision == "fp32" else 12
+
+
+OVERLAP_SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm")
+MEGATRON_OVERLAP_DEFAULTS = MappingProxyType({
+    # megatron/training/arguments.py: --overlap-grad-reduce, --overlap-param-gather and (from
+    # ModelParallelConfig) --tp-comm-overlap are off unless given; --no-overlap-p2p-communication
+    # (dest overlap_p2p_comm) is store_false, so it is on, and Megatron turns it off without interleaving.
+    "overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False, "overlap_p2p_comm": True,
+})
+
+
+def overlap_settings(hardware: HardwareProfile, **given: bool | None) -> dict[str, bool]:
+    """Megatron's overlap switches for a setup: each the given value (the CLI's), else the hardware
+    profile's, else Megatron's default."""
+    unknown = set(given) - set(OVERLAP_SWITCHES)
+    if unknown:
+        raise ConfigError([f"{name}: not an overlap switch; use one of {', '.join(OVERLAP_SWITCHES)}"
+                           for name in sorted(unknown)])
+    out = {}
+    for name in OVERLAP_SWITCHES:
+        for value in (given.get(name), getattr(hardware, name), MEGATRON_OVERLAP_DEFAULTS[name]):
+            if value is not None:
+                out[name] = value
+                break
+    return out
 
 
 def make_setup(**settings: Any) -> TrainingSetup:
