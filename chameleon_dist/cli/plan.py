@@ -27,10 +27,11 @@ from chameleon_dist.planner.profiles import (
     load_hardware,
     load_model,
     make_setup,
+    overlap_settings,
     shipped_names,
 )
 from chameleon_dist.planner.search import PlanError, search
-from chameleon_dist.planner.space import SearchSpace
+from chameleon_dist.planner.space import SearchSpace, cp_problem
 
 DEFAULT_MODEL, DEFAULT_HARDWARE, DEFAULT_DEVICES = "llama2-7b", "ascend-910b", 8
 
@@ -103,6 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-sequence-parallel", action="store_true")
     parser.add_argument("--tp", type=_ints, help="TP degrees to try, e.g. 1,2,4 (default: all that divide)")
     parser.add_argument("--pp", type=_ints, help="PP degrees to try (default: all that divide)")
+    parser.add_argument("--cp", type=_ints, help="context-parallel degrees to try, e.g. 1,2,4 (default: those that "
+                        "divide and leave each rank >= 4096 tokens)")
     parser.add_argument("--vpp", type=_ints, default=(1, 2, 4), help="model chunks per stage (default 1,2,4)")
     parser.add_argument("--micro-batch", type=_ints, default=(1, 2, 4), help="micro-batch sizes (default 1,2,4)")
     parser.add_argument("--recompute", type=_modes, default=RECOMPUTE_MODES,
@@ -111,6 +114,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--memory-margin", type=_margin, metavar="PCT|SIZE",
                         help=f"device memory every plan leaves free, of the usable memory (e.g. 5%%) or a size "
                              f"(e.g. 3GB); default {DEFAULT_MEMORY_MARGIN * 100:g}%% (docs/planner.md)")
+    overlap = parser.add_argument_group("Megatron's communication overlap (default: the hardware profile's value, "
+                                        "else Megatron's default)")
+    for flags, default in ((("--overlap-grad-reduce",), "off"), (("--overlap-param-gather",), "off"),
+                           (("--tp-comm-overlap",), "off"), (("--overlap-p2p-comm", "--overlap-p2p-communication"),
+                                                              "on, interleaved schedule only")):
+        overlap.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None,
+                             help=f"Megatron's default: {default}")
     parser.add_argument("--top", type=int, default=12, help="alternatives shown (default 12)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH",
                         help="write the result as JSON to PATH (or stdout without PATH)")
@@ -159,13 +169,21 @@ def _run(args: argparse.Namespace) -> int:
             raise PlanError(f"{option} must be >= 1, got {value}")
     if args.json not in (None, "-"):
         _check_writable(args.json)
+    for cp in args.cp or ():
+        problem = cp_problem(make_setup(global_batch_size=batch, seq_length=seq, attention=args.attention),
+                             args.devices, 1, 1, cp)
+        if problem:
+            raise PlanError(f"--cp {cp}: {problem}; give degrees that Megatron allows (or leave --cp out)")
+    overlaps = overlap_settings(hardware, overlap_grad_reduce=args.overlap_grad_reduce,
+                                overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
+                                overlap_p2p_comm=args.overlap_p2p_comm)
     setup = make_setup(
         global_batch_size=batch, seq_length=seq, precision=args.precision, zero_stage=args.zero_stage,
-        attention=args.attention, sequence_parallel=not args.no_sequence_parallel,
+        attention=args.attention, sequence_parallel=not args.no_sequence_parallel, **overlaps,
         memory_margin=_margin_fraction(args.memory_margin, hardware.usable_bytes),
     )
     space = SearchSpace(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch=args.micro_batch,
-                        recompute=args.recompute, swap=(False,) if args.no_swap else (False, True))
+                        recompute=args.recompute, swap=(False,) if args.no_swap else (False, True), cp=args.cp)
     result = search(model, hardware, setup, args.devices, space)
     ranges = None
     if args.sensitivity:
