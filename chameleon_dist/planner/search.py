@@ -49,7 +49,8 @@ _WHY_SWAP_FAILED = MappingProxyType({
 })
 _COPIES_TOO_SLOW = "copies cannot keep up with compute"
 COMPONENT_LABELS = MappingProxyType({
-    "compute": "compute", "recompute": "recomputation", "tp_comm": "communication (TP)", "cp_comm": "communication (CP)",
+    "compute": "compute", "recompute": "recomputation", "tp_comm": "communication (TP)",
+    "cp_comm": "communication (CP)",
     "ep_comm": "communication (EP)", "pp_comm": "communication (PP)", "bubble": "pipeline bubble",
     "dp_comm": "communication (DP)", "optimizer": "optimizer step", "stall": "swap stall",
 })

@@ -212,7 +212,8 @@ def cp_comm_times(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
     cp = layout.cp
     if cp <= 1:
         return 0.0, 0.0
-    kv_bytes = 2 * setup.seq_length / cp * layout.micro_batch * model.kv_hidden_size / layout.tp * setup.activation_bytes
+    tokens = setup.seq_length / cp * layout.micro_batch
+    kv_bytes = 2 * tokens * model.kv_hidden_size / layout.tp * setup.activation_bytes
     step_s = kv_bytes / _bus(hardware, layout.tp * cp)
     core_s = layer_flops(model, setup, layout.micro_batch).core_flops / rate_flops_per_s  # a rank's core, all steps
     attention_step_s = core_s / cp
