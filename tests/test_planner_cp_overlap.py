@@ -279,3 +279,19 @@ def test_the_search_picks_cp_at_64k_tokens_on_8_h100s_and_it_beats_the_best_with
     without = search(LLAMA, H100, setup, 8, dataclasses.replace(space, cp=(1,))).best
     assert best.layout.cp > 1 and best.iteration_s < without.iteration_s
     assert best.time.tp_comm < without.time.tp_comm  # what CP saves: the TP collectives of a wide TP group
+
+
+def test_spans_follow_megatrons_tp_cp_dp_pp_order():
+    """A CP group spans tp x cp ranks and a DP group tp x cp x dp: past 8 per node they take the inter-node bus."""
+    setup = setup_of(seq=65536)
+    fast_inside = H100.model_copy(update={"inter_node_bus_bytes_per_s": 1e9})  # NVLink inside, 1 GB/s across
+    inside, across = Layout(tp=2, cp=4), Layout(tp=2, cp=8)
+    for layout, bus in ((inside, fast_inside.intra_node_bus_bytes_per_s), (across, 1e9)):
+        step_s, attention_s = _ring_by_hand(setup, layout, bus)
+        forward, _ = cp_comm_times(LLAMA, fast_inside, setup, layout, RATE * layout.tp * layout.cp)
+        assert forward == pytest.approx((layout.cp - 1) * max(0.0, step_s - attention_s))
+    assert cp_comm_times(LLAMA, fast_inside, setup, across, RATE * 16)[0] > 0
+    # gradients reduce over dp x cp ranks spaced tp apart: 2 x 4 inside a node, 2 x 8 across
+    within = dp_comm_parts(LLAMA, fast_inside, setup, Layout(dp=2, cp=4), 0)
+    beyond = dp_comm_parts(LLAMA, fast_inside, setup, Layout(dp=2, cp=8), 0)
+    assert beyond.reduce_s > 50 * within.reduce_s
