@@ -28,7 +28,7 @@ def default_search():
 # ---- the memory margin ------------------------------------------------------------------------------------
 def test_every_plan_leaves_the_margin_swap_plans_too():
     llama, hardware = load_model("llama2-7b"), load_hardware("ascend-910b")
-    setup = TrainingSetup(global_batch_size=64, seq_length=8192)
+    setup = TrainingSetup(global_batch_size=64, seq_length=16384)
     result = search(llama, hardware, setup, 8)
     budget = int(hardware.usable_bytes * 0.95)
     feasible = [p for p in result.plans if p.status == FEASIBLE]
@@ -124,7 +124,7 @@ def test_report_names_the_recommended_tie_and_why(capsys):
     assert cli.main([]) == 0
     words = " ".join(capsys.readouterr().out.split())
     assert "within 2% of the best, the cost model's error: a tie." in words
-    assert re.search(r"recommended: \S+ PP\d", words)
+    assert "recommended: " in words and "GB free" in words
 
 
 # ---- assumed inputs carry ranges --------------------------------------------------------------------------
