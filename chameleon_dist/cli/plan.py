@@ -4,6 +4,7 @@ with recomputation vs best with TP/PP alone".
 
     chameleon-plan --model llama2-7b --hardware ascend-910b --devices 8 --seq 8192 --global-batch 64
     chameleon-plan --model configs/models/llama2-13b.yaml --devices 64 --json
+    chameleon-plan --hardware h100-pcie --calibration runs/calibration.json   # measured times (docs/planner.md)
     chameleon-plan --reproduce            # the paper's comparison (docs/planner.md)
     chameleon-plan --list                 # shipped profiles
 """
@@ -89,11 +90,24 @@ def _check_writable(path: str) -> None:
         raise PlanError(f"--json {path}: the directory {folder} is not writable; give another path")
 
 
+def _calibrate(hardware, path: str):
+    """``hardware`` calibrated from the file at ``path``, and the report's lines saying so."""
+    from chameleon_dist.planner.calibration import apply_calibration, describe, load_calibration
+
+    calibration = load_calibration(path)
+    calibrated = apply_calibration(hardware, calibration, source=path)
+    changes = describe(hardware, calibrated) or ["no figure changed"]
+    return calibrated, {"file": path, "source": calibration.source, "changes": changes}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="chameleon-plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model or a .yaml profile (default {DEFAULT_MODEL})")
     parser.add_argument("--hardware", default=DEFAULT_HARDWARE,
                         help=f"shipped accelerator or a .yaml profile (default {DEFAULT_HARDWARE})")
+    parser.add_argument("--calibration", metavar="FILE",
+                        help="measured or simulated layer times and link rates replacing the hardware profile's "
+                             "(a calibration file, planner/calibration.py)")
     parser.add_argument("--devices", type=int, default=DEFAULT_DEVICES, help=f"world size (default {DEFAULT_DEVICES})")
     parser.add_argument("--seq", type=int, help="sequence length (default: the model profile's seq_length)")
     parser.add_argument("--global-batch", type=int, help="sequences per iteration (default: 8 per device)")
@@ -162,6 +176,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     model = load_model(args.model)
     hardware = load_hardware(args.hardware)
+    calibrated = None
+    if args.calibration:
+        hardware, calibrated = _calibrate(hardware, args.calibration)
     seq = model.seq_length if args.seq is None else args.seq  # (0 is an error, not "the default")
     batch = 8 * args.devices if args.global_batch is None else args.global_batch
     for option, value in (("--devices", args.devices), ("--seq", seq), ("--global-batch", batch), ("--top", args.top)):
@@ -195,6 +212,8 @@ def _run(args: argparse.Namespace) -> int:
         data = tables.result_dict(result)
         if ranges is not None:
             data["sensitivity"] = ranges.to_dict()
+        if calibrated:
+            data["calibration"] = calibrated
         text = json.dumps(data, indent=1, default=str)
         if args.json == "-":
             print(text)
@@ -206,6 +225,9 @@ def _run(args: argparse.Namespace) -> int:
                 raise PlanError(f"--json {args.json}: cannot write it ({exc.strerror})") from None
             print(f"chameleon-plan: result written to {args.json}", file=sys.stderr)
     if args.json != "-":
+        if calibrated:
+            print(f"calibrated from {calibrated['file']} ({calibrated['source']}):")
+            print("\n".join(f"  {change}" for change in calibrated["changes"]))
         print(tables.text_report(result, top=args.top))
         if ranges is not None:
             print("\n" + tables.sensitivity_text(ranges))

@@ -213,6 +213,10 @@ class HardwareProfile(_Profile):
     overlap_param_gather: bool | None = None
     tp_comm_overlap: bool | None = None
     overlap_p2p_comm: bool | None = None
+    # compute-model calibration (``planner/calibration.py`` sets these from measured layer and head times)
+    backward_to_forward: float = Field(2.0, gt=0)  # a layer's backward time over its forward time
+    head_flops_per_s: float | None = Field(None, gt=0)  # the output layer's rate; None: the layers' effective rate
+    head_backward_to_forward: float = Field(2.0, gt=0)  # the output layer's backward over its forward
 
     @model_validator(mode="before")
     @classmethod

@@ -5,8 +5,8 @@ micro-batch of ``b`` sequences of ``s`` tokens, hidden ``h``): ``2 s b h (h + 2 
 projection, ``2 s b h^2`` for the output projection, ``4 s^2 b h`` for scores and context (halved for
 flash attention, which skips the masked half of a causal mask), and ``2 s b h f`` per MLP matrix
 (2 for GeLU, 3 for SwiGLU; times the router's top-k for MoE); the output layer adds ``2 s b h V``.
-Backward costs twice the forward; full recomputation adds one forward per layer, selective
-recomputation the attention core's.
+Backward costs twice the forward (``HardwareProfile.backward_to_forward``: a calibration sets it); full
+recomputation adds one forward per layer, selective recomputation the attention core's.
 
 Collectives use bus bandwidths (nccl-tests ``busbw``): an all-reduce over ``n`` ranks of ``B`` bytes
 takes ``2 (n - 1) / n B / busbw``, an all-gather or reduce-scatter ``(n - 1) / n B / busbw``, an
@@ -165,7 +165,7 @@ def layer_times(model: ModelProfile, hardware: HardwareProfile, setup: TrainingS
     if model.is_moe and layout.ep > 1:
         routed = hidden_bytes * model.moe_router_topk / layout.tp
         ep = 4 * gather_or_scatter_s(routed, layout.ep, _bus(hardware, layout.ep * layout.cp * layout.tp))
-    return LayerTimes(forward, 2 * forward, recompute, tp_forward + tp_backward, ep, cp_forward + cp_backward,
+    return LayerTimes(forward, hardware.backward_to_forward * forward, recompute, tp_forward + tp_backward, ep, cp_forward + cp_backward,
                       forward_comm_s=tp_forward + cp_forward + ep / 2)
 
 
@@ -275,8 +275,10 @@ class StageTiming:
 
 
 def stage_timing(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> StageTiming:
-    head = head_flops(model, setup, layout.micro_batch) / (hardware.effective_flops_per_s * layout.tp)
-    return StageTiming(layer_times(model, hardware, setup, layout), head / layout.cp, 2 * head / layout.cp,
+    head_rate = hardware.head_flops_per_s or hardware.effective_flops_per_s  # (a calibrated head has its own)
+    head = head_flops(model, setup, layout.micro_batch) / (head_rate * layout.tp)
+    return StageTiming(layer_times(model, hardware, setup, layout), head / layout.cp,
+                       hardware.head_backward_to_forward * head / layout.cp,
                        stage_layers(model, layout))
 
 
