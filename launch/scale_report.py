@@ -20,16 +20,19 @@ TIME_TOLERANCE, PEAK_TOLERANCE = 0.10, 0.03
 PAPER_SPEEDUP = 0.3894  # arXiv 2509.11076: "up to 38.94%" faster than recomputation or high-degree parallelism
 
 
-def planner_predictions(case, args, reference, budgets: list[int]) -> dict:
+def planner_predictions(case, args, reference, budgets: list[int], hardware=None) -> dict:
     """``(variant, budget_bytes) -> {"iteration_s", "peak_bytes", "fits", "time_error", "peak_error"}`` from the
     planner for one device. The planner's peak counts a full mixed-precision model state (weights, fp32 gradients,
     Adam); the simulated rank holds bf16 weights and the bf16 gradients backward makes. So the planner is given the
     budget's room for activations (``budget - simulated weights and gradients + planner's static bytes``), and its
-    peak is reported as ``simulated weights and gradients + (predicted peak - predicted static)``."""
+    peak is reported as ``simulated weights and gradients + (predicted peak - predicted static)``. ``hardware``: the
+    profile to predict with (None: the preset's at ``PREDICTION_EFFICIENCY``; ``launch/planner_calibration.py``
+    passes a calibrated one); ``optimizer_s`` is the planner's optimizer term inside ``iteration_s``."""
     from chameleon_dist.planner.profiles import load_model
     from chameleon_dist.planner.single_device import hardware_from_preset, predict_single_device
 
-    hardware = hardware_from_preset(args.preset_figures, efficiency=PREDICTION_EFFICIENCY)
+    if hardware is None:
+        hardware = hardware_from_preset(args.preset_figures, efficiency=PREDICTION_EFFICIENCY)
     common = dict(seq_length=args.seq_length, micro_batch_size=1, micro_batches=args.micro_batches,
                   num_layers=case.num_layers, pre_process=case.pre_process, post_process=case.post_process)
     profile = load_model(case.profile)
@@ -46,6 +49,7 @@ def planner_predictions(case, args, reference, budgets: list[int]) -> dict:
         for variant, approach in APPROACH_OF.items():
             p = predicted[approach]
             out[(variant, budget)] = {"iteration_s": p.iteration_s, "fits": p.fits, "stall_s": p.stall_s,
+                                      "optimizer_s": p.time.optimizer,
                                       "peak_bytes": state_bytes + p.peak_bytes - p.static_bytes}
     return out
 
