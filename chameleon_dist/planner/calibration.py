@@ -161,20 +161,15 @@ def apply_calibration(hardware: HardwareProfile, calibration: Calibration, sourc
         if calibration.layer_forward_s is not None:
             flops = layer_flops(model, setup, shape.micro_batch).forward_flops
             rate = flops / (shape.tp * calibration.layer_forward_s)
-            efficiency = rate / hardware.peak_flops_per_s
-            if efficiency > 1:
-                raise ConfigError([
-                    f"layer_forward_s: {calibration.layer_forward_s:g} s for {flops / 1e12:.2f} TFLOP per layer "
-                    f"({shape.model}, seq {shape.seq_length}, micro-batch {shape.micro_batch}, TP {shape.tp}) is "
-                    f"{rate / 1e12:.1f} TFLOP/s per device, above {hardware.name}'s peak "
-                    f"{hardware.peak_flops_per_s / 1e12:.1f}: pass the --hardware it was taken on, or check its shape"],
-                    source=source)
-            changes["efficiency"] = efficiency
+            _below_peak("layer_forward_s", calibration.layer_forward_s, flops, rate, shape, hardware, source)
+            changes["efficiency"] = rate / hardware.peak_flops_per_s
             if calibration.layer_backward_s is not None:
                 changes["backward_to_forward"] = calibration.layer_backward_s / calibration.layer_forward_s
         if calibration.head_forward_s is not None:
-            changes["head_flops_per_s"] = head_flops(model, setup, shape.micro_batch) / (
-                shape.tp * calibration.head_forward_s)
+            flops = head_flops(model, setup, shape.micro_batch)
+            rate = flops / (shape.tp * calibration.head_forward_s)
+            _below_peak("head_forward_s", calibration.head_forward_s, flops, rate, shape, hardware, source)
+            changes["head_flops_per_s"] = rate
             if calibration.head_backward_s is not None:
                 changes["head_backward_to_forward"] = calibration.head_backward_s / calibration.head_forward_s
         if calibration.optimizer_step_s is not None:
@@ -188,6 +183,16 @@ def apply_calibration(hardware: HardwareProfile, calibration: Calibration, sourc
         raise ConfigError.from_validation_error(exc, source=source, model=HardwareProfile) from None
     logger.info("calibrated %s from %s: %s", hardware.name, source or "a calibration", ", ".join(calibration.given()))
     return calibrated
+
+
+def _below_peak(key: str, seconds: float, flops: float, rate: float, shape: CalibrationShape,
+                hardware: HardwareProfile, source: str | None) -> None:
+    if rate > hardware.peak_flops_per_s:
+        raise ConfigError([
+            f"{key}: {seconds:g} s for {flops / 1e12:.2f} TFLOP ({shape.model}, seq {shape.seq_length}, micro-batch "
+            f"{shape.micro_batch}, TP {shape.tp}) is {rate / 1e12:.1f} TFLOP/s per device, above {hardware.name}'s "
+            f"peak {hardware.peak_flops_per_s / 1e12:.1f}: pass the --hardware it was taken on, or check its shape"],
+            source=source)
 
 
 def describe(before: HardwareProfile, after: HardwareProfile) -> list[str]:
