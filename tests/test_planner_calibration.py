@@ -233,3 +233,41 @@ def test_the_producer_predicts_a_run_it_did_not_measure(tmp_path):
         data["head_backward_s"]
     assert 2 * per_micro_batch == pytest.approx(sum(op_times_s), rel=1e-9)
     assert three.layers_forward_s == pytest.approx(6 * data["layer_forward_s"], rel=1e-9)
+
+
+def test_the_comparison_rows_put_the_calibrated_prediction_beside_the_simulation(tmp_path):
+    """``--compare``'s rows from a bench_scale-shaped result: the calibrated "none" prediction at the file's own
+    shape is the sum of its times (no optimizer term: the simulated ranks run none), errors are against the
+    simulated figure, and a failed run keeps its predictions but gets no error."""
+    from launch.planner_calibration import compare_rows, markdown, preset_hardware, summary
+    from launch.scale_runs import Case
+
+    (tmp_path / "tiny.yaml").write_text(TINY_MODEL)
+    case = Case("tiny", str(tmp_path / "tiny.yaml"), 2)
+    times = {"layer_forward_s": 2e-5, "layer_backward_s": 5e-5, "head_forward_s": 1e-5, "head_backward_s": 2e-5}
+    calibration = calibration_from_mapping({
+        "format": 1, "source": "simulated: h100-pcie", **times,
+        "shape": {"model": str(tmp_path / "tiny.yaml"), "seq_length": 256, "num_layers": 2}})
+    own = apply_calibration(preset_hardware("h100-pcie"), calibration)
+
+    def row(variant, seconds, budget=0.9, error=""):
+        return {"variant": variant, "budget": budget, "budget_bytes": 10**9, "iteration_s": seconds,
+                "peak_bytes": 0 if error else 2 * 10**8, "fits": not error, "error": error}
+
+    result = {"seq_length": 256, "micro_batches": 2, "reference": {"model_state_bytes": 4 * 10**6},
+              "rows": [row("reference", 4e-4), row("megatron-selective", 4.2e-4), row("megatron-full", 5e-4),
+                       row("chameleon-swap", 4.1e-4), row("chameleon-swap", 0.0, 0.7, "emulated device out of memory")]}
+    rows = compare_rows(case, "h100-pcie", result, {"own": own}, swap_budgets=(0.9, 0.7))
+    assert [r["approach"] for r in rows] == ["none", "selective", "full", "swap", "swap"]
+    none, failed = rows[0], rows[-1]
+    expected_s = 2 * (2 * (times["layer_forward_s"] + times["layer_backward_s"]) + times["head_forward_s"]
+                      + times["head_backward_s"])
+    assert none["own_s"] == pytest.approx(expected_s, rel=1e-9)
+    assert none["own_time_error"] == pytest.approx(expected_s / 4e-4 - 1, rel=1e-9)
+    assert rows[2]["own_s"] == pytest.approx(expected_s + 2 * 2 * times["layer_forward_s"], rel=1e-9)  # full
+    assert none["planner_s"] != none["own_s"] and "planner_peak_error" in none
+    assert "own_s" in failed and "own_time_error" not in failed and "planner_peak_error" not in failed
+    table = markdown(rows)
+    assert "swap at 0.70 (failed: emulated device out of memory)" in table and table.count("\n") == len(rows) + 1
+    assert summary(rows).startswith("- none (1 settings): time error planner ")
+    assert "- swap (1 settings)" in summary(rows)
