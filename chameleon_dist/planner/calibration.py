@@ -212,7 +212,7 @@ def describe(before: HardwareProfile, after: HardwareProfile) -> list[str]:
     for key in ("memory_bytes_per_s",) + _RATE_KEYS:
         old, new = getattr(before, key), getattr(after, key)
         if new != old:
-            old_text = "-" if old is None else f"{old / 1e9:.1f}"
+            old_text = "unset" if old is None else f"{old / 1e9:.1f}"
             lines.append(f"{key.removesuffix('_bytes_per_s')} {old_text} -> {new / 1e9:.1f} GB/s")
     return lines
 
