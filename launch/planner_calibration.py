@@ -129,7 +129,8 @@ def measure(case: Case, *, preset: str, seq_length: int | None = None, micro_bat
     out["notes"] = (f"simulated (emulated device, meta tensors): kernel seconds of one profiled iteration of "
                     f"{case.describe(seq_length)} and of the same with 1 layer, {m} micro-batches of "
                     f"{micro_batch_size}; {full.other_s:.3g} s outside forward and backward; "
-                    f"{time.perf_counter() - started_s:.1f} s to measure. Head times include the embedding's.")
+                    f"{time.perf_counter() - started_s:.1f} s to measure."
+                    + (" Head times include the embedding's." if case.post_process else ""))
     return out
 
 
