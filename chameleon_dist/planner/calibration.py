@@ -136,7 +136,8 @@ def shape_model(shape: CalibrationShape, source: str | None = None) -> ModelProf
     try:
         model = load_model(shape.model)
     except ConfigError as exc:
-        raise ConfigError([f"shape.model: {problem.removeprefix('--model: ')}" for problem in exc.problems], source=source) from None
+        problems = [f"shape.model: {problem.removeprefix('--model: ')}" for problem in exc.problems]
+        raise ConfigError(problems, source=source) from None
     if shape.num_layers is not None and shape.num_layers != model.num_layers:
         model = ModelProfile.model_validate({**model.model_dump(), "num_layers": shape.num_layers,
                                              "name": f"{model.name}-{shape.num_layers}-layers"})
