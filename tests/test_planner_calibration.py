@@ -127,6 +127,9 @@ def test_rates_are_replaced_and_missing_keys_keep_the_profiles():
     for key in ("d2h_bytes_per_s", "intra_node_bus_bytes_per_s", "efficiency", "backward_to_forward",
                 "head_flops_per_s", "memory_bytes_per_s", "memory_bytes"):
         assert getattr(calibrated, key) == getattr(hardware, key), key
+    # a calibrated input is no longer assumed: --sensitivity sweeps only what is still assumed
+    assert "inter_node_bus_bytes_per_s" in hardware.assumed and "inter_node_bus_bytes_per_s" not in calibrated.assumed
+    assert calibrated.assumed == {k: v for k, v in hardware.assumed.items() if k != "inter_node_bus_bytes_per_s"}
 
 
 def test_a_measured_h2d_keeps_the_profiles_duplex_slowdown():

@@ -174,10 +174,12 @@ def apply_calibration(hardware: HardwareProfile, calibration: Calibration, sourc
             if calibration.head_backward_s is not None:
                 changes["head_backward_to_forward"] = calibration.head_backward_s / calibration.head_forward_s
         if calibration.optimizer_step_s is not None:
-            unit = HardwareProfile.model_validate({**hardware.model_dump(), "memory_bytes_per_s": 1.0})
+            unit = hardware.model_copy(update={"memory_bytes_per_s": 1.0})  # (1 B/s: the step's bytes in seconds)
             step_bytes = optimizer_s(model, unit, setup, Layout(micro_batch=shape.micro_batch, tp=shape.tp))
             changes["memory_bytes_per_s"] = step_bytes / calibration.optimizer_step_s
     changes["description"] = f"{hardware.description}; calibrated ({calibration.source})".lstrip("; ")
+    # a calibrated figure is measured (or simulated), no longer an assumption: its range goes
+    changes["assumed"] = {k: v for k, v in hardware.assumed.items() if k not in changes}
     try:
         calibrated = HardwareProfile.model_validate({**hardware.model_dump(), **changes})
     except ValidationError as exc:
