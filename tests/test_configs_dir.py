@@ -6,6 +6,7 @@ import pytest
 
 from chameleon_dist.config import ChameleonConfig, load_config
 from chameleon_dist.planner import HardwareProfile, ModelProfile, load_hardware, load_model
+from chameleon_dist.planner.cluster import ClusterProfile, load_cluster
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -24,9 +25,10 @@ LOADERS = {
     "jobs": _load_job,
     "models": load_model,
     "hardware": load_hardware,
+    "clusters": load_cluster,
 }
 # Planner profiles are not Chameleon configs: each folder's loader must return its own type.
-PROFILE_TYPES = {"models": ModelProfile, "hardware": HardwareProfile}
+PROFILE_TYPES = {"models": ModelProfile, "hardware": HardwareProfile, "clusters": ClusterProfile}
 
 FILES = sorted(p for p in CONFIGS.rglob("*") if p.is_file())
 

@@ -5,6 +5,7 @@ with recomputation vs best with TP/PP alone".
     chameleon-plan --model llama2-7b --hardware ascend-910b --devices 8 --seq 8192 --global-batch 64
     chameleon-plan --model configs/models/llama2-13b.yaml --devices 64 --json
     chameleon-plan --hardware h100-pcie --calibration runs/calibration.json   # measured times (docs/planner.md)
+    chameleon-plan --model llama2-70b --cluster dgx-h100-8x8   # nodes, links and host RAM from configs/clusters
     chameleon-plan --reproduce            # the paper's comparison (docs/planner.md)
     chameleon-plan --list                 # shipped profiles
 """
@@ -20,9 +21,11 @@ import sys
 from chameleon_dist.config import ConfigError
 from chameleon_dist.config.sizes import SizeError, parse_size_bytes
 from chameleon_dist.planner import tables
+from chameleon_dist.planner.cluster import load_cluster
 from chameleon_dist.planner.layout import RECOMPUTE_MODES
 from chameleon_dist.planner.profiles import (
     DEFAULT_MEMORY_MARGIN,
+    CLUSTER_KIND,
     HARDWARE_KIND,
     MODEL_KIND,
     load_hardware,
@@ -103,12 +106,15 @@ def _calibrate(hardware, path: str):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="chameleon-plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"shipped model or a .yaml profile (default {DEFAULT_MODEL})")
-    parser.add_argument("--hardware", default=DEFAULT_HARDWARE,
-                        help=f"shipped accelerator or a .yaml profile (default {DEFAULT_HARDWARE})")
+    parser.add_argument("--hardware", help=f"shipped accelerator or a .yaml profile (default {DEFAULT_HARDWARE})")
+    parser.add_argument("--cluster", help="shipped cluster or a .yaml cluster profile: the accelerator, nodes, links and "
+                                          "host RAM per node (instead of --hardware)")
     parser.add_argument("--calibration", metavar="FILE",
                         help="measured or simulated layer times and link rates replacing the hardware profile's "
                              "(a calibration file, planner/calibration.py)")
-    parser.add_argument("--devices", type=int, default=DEFAULT_DEVICES, help=f"world size (default {DEFAULT_DEVICES})")
+    parser.add_argument("--devices", type=int,
+                        help=f"world size (default {DEFAULT_DEVICES}, or the whole --cluster; with --cluster: whole "
+                             "nodes of it or devices of one node)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the model profile's seq_length)")
     parser.add_argument("--global-batch", type=int, help="sequences per iteration (default: 8 per device)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -142,7 +148,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also report the headline speedups as ranges over the hardware profile's assumed inputs")
     parser.add_argument("--reproduce", action="store_true",
                         help="print the paper's comparison tables (markdown), with ranges over the assumed inputs")
-    parser.add_argument("--list", action="store_true", help="list the shipped model and hardware profiles")
+    parser.add_argument("--list", action="store_true", help="list the shipped model, hardware and cluster profiles")
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.list:
-        for kind in (MODEL_KIND, HARDWARE_KIND):
+        for kind in (MODEL_KIND, HARDWARE_KIND, CLUSTER_KIND):
             print(f"{kind} profiles: {', '.join(shipped_names(kind))}")
         return 0
     if args.reproduce:
@@ -175,20 +181,20 @@ def _run(args: argparse.Namespace) -> int:
         print(markdown(results))
         return 0
     model = load_model(args.model)
-    hardware = load_hardware(args.hardware)
+    cluster, hardware, devices = _machine(args)
     calibrated = None
     if args.calibration:
         hardware, calibrated = _calibrate(hardware, args.calibration)
     seq = model.seq_length if args.seq is None else args.seq  # (0 is an error, not "the default")
-    batch = 8 * args.devices if args.global_batch is None else args.global_batch
-    for option, value in (("--devices", args.devices), ("--seq", seq), ("--global-batch", batch), ("--top", args.top)):
+    batch = 8 * devices if args.global_batch is None else args.global_batch
+    for option, value in (("--devices", devices), ("--seq", seq), ("--global-batch", batch), ("--top", args.top)):
         if value < 1:
             raise PlanError(f"{option} must be >= 1, got {value}")
     if args.json not in (None, "-"):
         _check_writable(args.json)
     for cp in args.cp or ():
         problem = cp_problem(make_setup(global_batch_size=batch, seq_length=seq, attention=args.attention),
-                             args.devices, 1, 1, cp)
+                             devices, 1, 1, cp)
         if problem:
             raise PlanError(f"--cp {cp}: {problem}; give degrees that Megatron allows (or leave --cp out)")
     overlaps = overlap_settings(hardware, overlap_grad_reduce=args.overlap_grad_reduce,
@@ -201,13 +207,13 @@ def _run(args: argparse.Namespace) -> int:
     )
     space = SearchSpace(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch=args.micro_batch,
                         recompute=args.recompute, swap=(False,) if args.no_swap else (False, True), cp=args.cp)
-    result = search(model, hardware, setup, args.devices, space)
+    result = search(model, hardware, setup, devices, space, cluster=cluster)
     ranges = None
     if args.sensitivity:
         from chameleon_dist.planner.sensitivity import sensitivity_of_search
 
         print(f"chameleon-plan: sweeping {len(hardware.assumed)} assumed inputs of {hardware.name}", file=sys.stderr)
-        ranges = sensitivity_of_search(model, hardware, setup, args.devices, space)
+        ranges = sensitivity_of_search(model, hardware, setup, devices, space, cluster=cluster)
     if args.json:
         data = tables.result_dict(result)
         if ranges is not None:
@@ -232,3 +238,17 @@ def _run(args: argparse.Namespace) -> int:
         if ranges is not None:
             print("\n" + tables.sensitivity_text(ranges))
     return 0 if result.best is not None else 3
+
+
+def _machine(args: argparse.Namespace):
+    """(cluster or None, the hardware profile every rank is priced with, the world size)."""
+    if args.cluster is None:
+        devices = DEFAULT_DEVICES if args.devices is None else args.devices
+        return None, load_hardware(args.hardware or DEFAULT_HARDWARE), devices
+    if args.hardware is not None:
+        raise PlanError(f"--hardware {args.hardware} with --cluster {args.cluster}: a cluster names its accelerator "
+                        "(its hardware field); give one of --hardware and --cluster")
+    cluster = load_cluster(args.cluster)
+    devices = cluster.world_size if args.devices is None else args.devices
+    cluster.check_devices(devices)
+    return cluster, cluster.device_profile(), devices

@@ -35,9 +35,11 @@ logger = logging.getLogger(__name__)
 
 MODELS_DIR = CONFIGS_DIR / "models"
 HARDWARE_DIR = CONFIGS_DIR / "hardware"
+CLUSTERS_DIR = CONFIGS_DIR / "clusters"  # cluster profiles (``chameleon_dist.planner.cluster``)
 
 MODEL_KIND, HARDWARE_KIND = "model", "hardware"
 DEFAULT_MEMORY_MARGIN = 0.05  # of usable device memory; why 5%: docs/planner.md, "Headroom and ties"
+CLUSTER_KIND = "cluster"
 
 
 def _size(per_second: bool):
@@ -384,7 +386,17 @@ def make_setup(**settings: Any) -> TrainingSetup:
 
 # ---- loading ---------------------------------------------------------------------------------
 _KINDS = MappingProxyType({MODEL_KIND: ModelProfile, HARDWARE_KIND: HardwareProfile})
-_DIRS = MappingProxyType({MODEL_KIND: MODELS_DIR, HARDWARE_KIND: HARDWARE_DIR})
+_DIRS = MappingProxyType({MODEL_KIND: MODELS_DIR, HARDWARE_KIND: HARDWARE_DIR, CLUSTER_KIND: CLUSTERS_DIR})
+_OPTIONS = MappingProxyType({MODEL_KIND: "--model", HARDWARE_KIND: "--hardware", CLUSTER_KIND: "--cluster"})
+
+
+def _profile_class(kind: Any) -> type[_Profile] | None:
+    """The class of a profile kind; a cluster's lives in ``cluster.py``, which builds on this module."""
+    if kind == CLUSTER_KIND:
+        from chameleon_dist.planner.cluster import ClusterProfile
+
+        return ClusterProfile
+    return _KINDS.get(kind)
 
 
 def _validate(data: dict[str, Any], cls: type[_Profile], source: str) -> _Profile:
@@ -394,14 +406,15 @@ def _validate(data: dict[str, Any], cls: type[_Profile], source: str) -> _Profil
         raise ConfigError.from_validation_error(exc, source=source, model=cls) from None
 
 
-def load_profile(path: str | Path) -> ModelProfile | HardwareProfile:
-    """A profile file; its ``kind`` (model or hardware) says which."""
+def load_profile(path: str | Path) -> _Profile:
+    """A profile file; its ``kind`` (model, hardware or cluster) says which."""
     data = read_mapping(path, what="planner profile")
     kind = data.get("kind")
-    if kind not in _KINDS:
-        raise ConfigError([f"kind: {kind!r} is not a planner profile kind; use one of {', '.join(_KINDS)}"],
+    cls = _profile_class(kind)
+    if cls is None:
+        raise ConfigError([f"kind: {kind!r} is not a planner profile kind; use one of {', '.join(_DIRS)}"],
                           source=str(path))
-    return _validate(data, _KINDS[kind], str(path))
+    return _validate(data, cls, str(path))
 
 
 def shipped_names(kind: str) -> list[str]:
@@ -416,7 +429,7 @@ def _load_named(name_or_path: str | Path, kind: str) -> _Profile:
             names = shipped_names(kind)
             close = difflib.get_close_matches(str(name_or_path), names, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            option = "--model" if kind == MODEL_KIND else "--hardware"
+            option = _OPTIONS[kind]
             raise ConfigError([f"{option}: no {kind} profile {str(name_or_path)!r}; {hint}shipped: "
                                f"{', '.join(names)}, or pass a path to a .yaml file"])
     profile = load_profile(path)

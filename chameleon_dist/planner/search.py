@@ -15,7 +15,16 @@ import enum
 import logging
 import time
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
+from chameleon_dist.planner.host_memory import (
+    NodeHostUse,
+    equal_host_budget_bytes,
+    node_host_use,
+    overflow_reason,
+    stage_host_budget_bytes,
+    stage_host_bytes,
+)
 from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.memory import StageMemory, rank_peaks, stage_layers
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
@@ -23,6 +32,9 @@ from chameleon_dist.planner.space import SearchSpace, layouts
 from chameleon_dist.planner.swap_model import StageInfeasibility, SwapEstimate, estimate_swap, stages_needing_swap
 from chameleon_dist.planner.timing import COMPONENTS, TimeBreakdown, iteration_time, model_flops_per_iteration, stage_timing
 from chameleon_dist.policy.model import Infeasibility
+
+if TYPE_CHECKING:
+    from chameleon_dist.planner.cluster import ClusterProfile
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +90,7 @@ class Plan:
     def free_bytes(self) -> int:
         """Usable device memory the plan leaves free at its peak (the margin included)."""
         return self.usable_bytes - self.peak_bytes
+    host_nodes: list[NodeHostUse] = dataclasses.field(default_factory=list)  # swap plans: host RAM per node
 
     @property
     def feasible(self) -> bool:
@@ -118,6 +131,8 @@ class Plan:
             "tokens_per_s_per_device": self.tokens_per_s_per_device(),
             "stages": [dataclasses.asdict(m) for m in self.memory],
             "swap": [s.to_dict() for s in self.swap],
+            "host_bytes_per_node": [n.host_bytes for n in self.host_nodes],
+            "host_nodes": [n.to_dict() for n in self.host_nodes],
         }
         if hardware is not None:
             data["mfu"] = self.mfu(hardware)
@@ -142,15 +157,29 @@ def evaluate(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetu
 
 def _apply_swap(plan: Plan, model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup) -> None:
     timing = stage_timing(model, hardware, setup, plan.layout)
-    estimates = [estimate_swap(model, hardware, setup, plan.layout, m, timing)
-                 for m in stages_needing_swap(plan.memory, plan.budget_bytes)]
-    plan.swap = estimates
+    need = stages_needing_swap(plan.memory, plan.budget_bytes)
+
+    def run(host_budget_of) -> tuple[list[SwapEstimate], list[NodeHostUse]]:
+        """Each stage's policy with its host budget per rank, and the host RAM per node it adds up to."""
+        out = [estimate_swap(model, hardware, setup, plan.layout, m, timing, host_budget_bytes=host_budget_of(m.stage))
+               for m in need]
+        host_of = stage_host_bytes(model, setup, plan.layout, {e.stage: e.host_bytes for e in out}, hardware.usable_bytes)
+        return out, node_host_use(hardware, plan.layout, host_of)
+
+    # per rank the most its node allows (host_memory); where the node sum then overflows, once more with the
+    # node's equal share per device, which cannot overflow a node its policies fit in
+    estimates, nodes = run(lambda stage: stage_host_budget_bytes(hardware, plan.layout, stage))
+    if all(e.feasible for e in estimates) and not all(n.fits for n in nodes):
+        equal = equal_host_budget_bytes(hardware)
+        if any(stage_host_budget_bytes(hardware, plan.layout, m.stage) > equal for m in need):
+            estimates, nodes = run(lambda stage: equal)
+    plan.swap, plan.host_nodes = estimates, nodes
     stall = max(e.stall_s for e in estimates)
     plan.time = iteration_time(model, hardware, setup, plan.layout, stall_s=stall)
     others = [m.peak_bytes for m in plan.memory if m.stage not in {e.stage for e in estimates}]
     plan.peak_bytes = max([e.peak_bytes for e in estimates] + others)
     fits = all(e.feasible for e in estimates) and plan.peak_bytes <= plan.budget_bytes
-    plan.status = FEASIBLE if fits else OUT_OF_MEMORY
+    plan.status = FEASIBLE if fits and all(n.fits for n in nodes) else OUT_OF_MEMORY
 
 
 def _fit_block(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> Layout | None:
@@ -187,6 +216,7 @@ class SearchResult:
     plans: list[Plan]  # feasible fastest first, then pruned, then out of memory
     policy_runs: int
     elapsed_s: float
+    cluster: ClusterProfile | None = None  # where the node values came from (None: the hardware profile)
 
     @property
     def best(self) -> Plan | None:
@@ -263,7 +293,9 @@ class SearchResult:
 
 
 def search(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, world_size: int,
-           space: SearchSpace = SearchSpace()) -> SearchResult:
+           space: SearchSpace = SearchSpace(), cluster: ClusterProfile | None = None) -> SearchResult:
+    """``hardware`` prices every rank; with a ``cluster``, pass ``cluster.device_profile()`` (the result and
+    the host-RAM reasons name the cluster)."""
     start_s = time.perf_counter()
     if world_size < 1:
         raise PlanError(f"--devices must be >= 1, got {world_size}")
@@ -299,7 +331,7 @@ def search(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup,
         plans.append(plan)
     order = {FEASIBLE: 0, PRUNED: 1, OUT_OF_MEMORY: 2}
     plans.sort(key=lambda p: (order[p.status], p.iteration_s if p.status != OUT_OF_MEMORY else p.peak_bytes, p.layout))
-    result = SearchResult(model, hardware, setup, world_size, plans, runs, 0.0)
+    result = SearchResult(model, hardware, setup, world_size, plans, runs, 0.0, cluster)
     _explain(result)
     result.elapsed_s = time.perf_counter() - start_s
     logger.info("searched %d layouts (%d policy runs) in %.2f s", len(plans), runs, result.elapsed_s)
@@ -312,7 +344,11 @@ def _explain(result: SearchResult) -> None:
     for plan in result.plans:
         if plan.status == OUT_OF_MEMORY:
             worst = max(plan.memory, key=lambda m: m.peak_bytes)
-            if plan.swap:
+            if plan.swap and all(s.feasible for s in plan.swap) and not all(n.fits for n in plan.host_nodes):
+                owner = (f"of cluster {result.cluster.name}" if result.cluster is not None
+                         else f"of hardware profile {result.hardware.name}")
+                plan.reason = overflow_reason(plan.host_nodes, result.hardware, owner)
+            elif plan.swap:
                 failed = next((s for s in plan.swap if not s.feasible), plan.swap[0])
                 why = why_swap_failed(failed)
                 plan.reason = (f"out of memory even with swap: stage {failed.stage} peaks at "

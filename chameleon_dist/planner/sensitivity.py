@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
 from chameleon_dist.planner.search import search
@@ -132,12 +133,12 @@ class SearchSensitivity:
 
 
 def sensitivity_of_search(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, world_size: int,
-                          space: SearchSpace) -> SearchSensitivity:
-    """Re-run the search over ``hardware``'s assumed inputs (``sweep``)."""
+                          space: SearchSpace, cluster: Any = None) -> SearchSensitivity:
+    """Re-run the search over ``hardware``'s assumed inputs (``sweep``; ``cluster``: as ``search`` takes it)."""
     best_plans: dict[str, list[dict[str, float]]] = {}
 
     def evaluate(overrides: Overrides) -> Figures:
-        result = search(model, with_inputs(hardware, overrides), setup, world_size, space)
+        result = search(model, with_inputs(hardware, overrides), setup, world_size, space, cluster=cluster)
         comparison = result.comparison()
         figures: dict[str, float | None] = {words: comparison[key] for key, words in SEARCH_FIGURES}
         figures[BEST_TIME] = None if result.best is None else result.best.iteration_s

@@ -19,6 +19,7 @@ import dataclasses
 import enum
 import logging
 
+from chameleon_dist.planner.host_memory import host_resident_bytes
 from chameleon_dist.planner.layout import FORWARD_STEP, Layout, RecomputeMode, in_flight_chunks, schedule
 from chameleon_dist.planner.memory import SavedTensor, StageMemory, head_activations, layer_activations
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
@@ -55,6 +56,7 @@ class SwapEstimate:
     reason: str = ""  # why it does not fit, in words
     policy_summary: str = ""
     infeasibility: SwapInfeasibility | None = None  # why it does not fit, for code to branch on (None: it fits)
+    host_bytes: int = 0  # most swapped bytes one rank of the stage holds in host memory at once
 
     def to_dict(self) -> dict:
         """The plan JSON's form: ``reason`` carries the cause in words; the typed cause is left out so that
@@ -161,8 +163,9 @@ def _simulated_counts(layout: Layout, stage: int, num_micro_batches: int) -> lis
 
 
 def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout,
-                  memory: StageMemory, timing: StageTiming) -> SwapEstimate:
-    """Run the policy generator on the stage's trace; stall and peak as the simulator predicts them."""
+                  memory: StageMemory, timing: StageTiming, host_budget_bytes: int | None = None) -> SwapEstimate:
+    """Run the policy generator on the stage's trace; stall and peak as the simulator predicts them.
+    ``host_budget_bytes``: host memory one rank may fill (default ``hardware.host_swap_budget_bytes()``)."""
     m = layout.num_micro_batches(setup.global_batch_size)
     last = layout.holds_head(memory.stage)
     budget = setup.budget_bytes(hardware)
@@ -172,7 +175,8 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
                             infeasibility=StageInfeasibility.STATIC_ABOVE_DEVICE)
     settings = PolicySettings(
         budget_bytes=budget, d2h_bytes_per_s=hardware.d2h_bytes_per_s, h2d_bytes_per_s=hardware.swap_h2d_bytes_per_s,
-        min_swap_bytes=setup.min_swap_bytes, host_budget_bytes=hardware.host_swap_budget_bytes(), score_c=2.0,
+        min_swap_bytes=setup.min_swap_bytes, score_c=2.0,
+        host_budget_bytes=hardware.host_swap_budget_bytes() if host_budget_bytes is None else host_budget_bytes,
         trials=1, allow_recompute=False, ops_per_group=1,
     )
     acts = layer_activations(model, setup, layout.tp, layout.micro_batch, layout.recompute, cp=layout.cp)
@@ -196,7 +200,8 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
     reason = "" if policy.feasible else (policy.reason or "the policy could not fit the budget")
     return SwapEstimate(memory.stage, policy.feasible, max(stall, 0.0), peak, budget, max(swapped, 0), count,
                         reason=reason, policy_summary=policy.summary(),
-                        infeasibility=None if policy.feasible else policy.infeasibility)
+                        infeasibility=None if policy.feasible else policy.infeasibility,
+                        host_bytes=host_resident_bytes(policy))
 
 
 def _swapped_bytes(policy: Policy) -> int:

@@ -76,7 +76,8 @@ def header_text(result: SearchResult) -> str:
         f"chameleon-plan: {m.name} ({m.parameter_count(s.seq_length) / 1e9:.2f} B parameters) on {result.world_size} x "
         f"{h.name} ({h.memory_bytes / GB:.0f} GB, {h.usable_bytes / GB:.0f} GB usable, plans fill at most "
         f"{s.budget_bytes(h) / GB:.1f} GB: --memory-margin {s.memory_margin * 100:g}%; host link "
-        f"{h.d2h_bytes_per_s / GB:.0f} GB/s)\n"
+        f"{h.d2h_bytes_per_s / GB:.0f} GB/s)"
+        + ("" if result.cluster is None else f" of {result.cluster.describe(result.world_size)}") + "\n"
         f"training: global batch {s.global_batch_size} x seq {s.seq_length}, {s.precision}, ZeRO stage {s.zero_stage}, "
         f"{s.attention} attention, sequence parallel {'on' if s.sequence_parallel else 'off'}\n"
         f"searched {len(result.plans)} plans ({result.policy_runs} swap-policy simulations) in {result.elapsed_s:.2f} s"
@@ -200,6 +201,7 @@ def result_dict(result: SearchResult, top: int | None = None) -> dict:
     return {
         "model": result.model.model_dump(), "hardware": result.hardware.model_dump(),
         "setup": result.setup.model_dump(), "devices": result.world_size,
+        "cluster": None if result.cluster is None else result.cluster.model_dump(),
         "elapsed_s": result.elapsed_s, "policy_runs": result.policy_runs,
         "best": None if result.best is None else result.best.to_dict(result.hardware),
         "memory_margin": result.setup.memory_margin,
@@ -217,4 +219,5 @@ def _compact(plan: Plan) -> dict:
         "iteration_s": plan.iteration_s, "peak_bytes": plan.peak_bytes, "reason": plan.reason,
         "time": plan.time.to_dict(), "swapped_bytes": plan.swapped_bytes,
         "free_bytes": plan.free_bytes, "budget_bytes": plan.budget_bytes,
+        "host_bytes_per_node": [n.host_bytes for n in plan.host_nodes],
     }

@@ -1,0 +1,159 @@
+"""Host RAM per node bounds the swap plans: the ranks of one node share its RAM.
+
+Megatron orders ranks TP innermost, then CP, then DP, then PP (``RankGenerator``'s default order,
+``tp-cp-ep-dp-pp``; EP lies inside DP), so pipeline stage ``s`` is the ``tp cp dp`` consecutive ranks from
+``s tp cp dp``, and node ``n`` the ``devices_per_node`` consecutive ranks from ``n devices_per_node``. A
+node whose ranks are all in one stage holds ``devices_per_node`` copies of that stage's host residency; a
+node that straddles stages (``tp cp dp < devices_per_node``, or a stage width that does not divide the node)
+holds the sum over its stages.
+
+The node's swap budget is ``host_memory_bytes x host_swap_fraction``; a node the job fills only in part
+gets the share of its devices in use (its other devices may run another job). Each stage's policy is given,
+per rank, the most one of its ranks can hold on any node that holds it: the node's budget over the ranks
+of *that stage* on the node (``stage_host_budget_bytes``), not over all ranks of the node; ranks of one stage
+run the same trace, so an equal split among them is exact, and ranks of another stage in the same node
+are accounted for by the node sum (``node_host_use``). A stage that needs to swap more than its neighbour
+in the node may use the neighbour's unused share.
+
+Host residency follows the policy generator's own accounting of ``host_budget_bytes``: a swapped storage
+occupies host memory from the op after its last forward use to its first backward use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from chameleon_dist.planner.layout import Layout
+from chameleon_dist.planner.memory import stage_memory
+from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
+from chameleon_dist.policy.model import Decision, Policy
+
+GB = 1e9
+
+
+def host_resident_bytes(policy: Policy | None) -> int:
+    """The most swapped bytes ``policy`` keeps in host memory at once (0 without a policy)."""
+    if policy is None:
+        return 0
+    delta = np.zeros(policy.num_ops + 2, dtype=np.int64)
+    for entry in policy.entries:
+        if entry.decision != Decision.SWAP:
+            continue
+        lo, hi = entry.last_forward_use + 1, entry.first_backward_use
+        if hi > lo:
+            delta[lo] += entry.nbytes
+            delta[hi] -= entry.nbytes
+    return int(np.cumsum(delta).max(initial=0))
+
+
+def ranks_per_stage(layout: Layout) -> int:
+    """Ranks of one pipeline stage: TP x CP x DP (CP: context parallelism, 1 where the layout has none)."""
+    return layout.tp * getattr(layout, "cp", 1) * layout.dp
+
+
+def node_stage_ranks(layout: Layout, devices_per_node: int) -> list[dict[int, int]]:
+    """Per node the job uses, in node order: ``{stage: ranks of that stage on the node}``."""
+    per_stage = ranks_per_stage(layout)
+    world = per_stage * layout.pp
+    nodes = []
+    for start in range(0, world, devices_per_node):
+        end = min(start + devices_per_node, world)
+        counts = {}
+        for stage in range(start // per_stage, (end - 1) // per_stage + 1):
+            counts[stage] = min(end, (stage + 1) * per_stage) - max(start, stage * per_stage)
+        nodes.append(counts)
+    return nodes
+
+
+def node_budget_bytes(hardware: HardwareProfile, ranks_on_node: int) -> int:
+    """Host memory swapped activations may fill on a node where the job has ``ranks_on_node`` ranks."""
+    whole = int(hardware.host_memory_bytes * hardware.host_swap_fraction)
+    return whole * min(ranks_on_node, hardware.devices_per_node) // hardware.devices_per_node
+
+
+def stage_host_budget_bytes(hardware: HardwareProfile, layout: Layout, stage: int) -> int:
+    """The most host memory one rank of ``stage`` may fill: on every node holding the stage, the node's
+    budget over the stage's ranks there (module docstring)."""
+    shares = [node_budget_bytes(hardware, sum(counts.values())) // counts[stage]
+              for counts in node_stage_ranks(layout, hardware.devices_per_node) if stage in counts]
+    return min(shares)
+
+
+def equal_host_budget_bytes(hardware: HardwareProfile) -> int:
+    """The node's budget split evenly over its devices (every rank the same share, whatever its stage)."""
+    return hardware.host_swap_budget_bytes()
+
+
+def stage_host_bytes(model: ModelProfile, setup: TrainingSetup, layout: Layout, estimated: dict[int, int],
+                     usable_bytes: int) -> Callable[[int], int]:
+    """One rank's host residency per stage, from the stages the swap model ran (``estimated``: stage -> host
+    bytes; the first and the last stage, where they do not fit without swapping). A stage between them
+    that fits without swapping holds nothing; one that does not is bounded by the first stage's figure: it
+    holds the same layers with fewer micro-batches in flight and no embedding, so it has less to move."""
+    cache: dict[int, int] = {}
+
+    def host_of(stage: int) -> int:
+        if stage in estimated:
+            return estimated[stage]
+        if stage in (0, layout.pp - 1) or 0 not in estimated:
+            return 0
+        if stage not in cache:
+            over = stage_memory(model, setup, layout, stage).peak_bytes > usable_bytes
+            cache[stage] = estimated[0] if over else 0
+        return cache[stage]
+
+    return host_of
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeHostUse:
+    """One node's swapped-activation host memory: the sum over its ranks."""
+
+    node: int
+    stage_ranks: dict[int, int]  # stage -> ranks of that stage on the node
+    stage_host_bytes: dict[int, int]  # stage -> host bytes of one of its ranks
+    host_bytes: int
+    budget_bytes: int
+
+    @property
+    def ranks(self) -> int:
+        return sum(self.stage_ranks.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.host_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "ranks": self.ranks, "host_bytes": self.host_bytes,
+                "budget_bytes": self.budget_bytes,
+                "stages": [{"stage": s, "ranks": k, "host_bytes_per_rank": self.stage_host_bytes[s]}
+                           for s, k in self.stage_ranks.items()]}
+
+
+def node_host_use(hardware: HardwareProfile, layout: Layout, stage_host_bytes: Callable[[int], int]) -> list[NodeHostUse]:
+    """Every node's host residency, from ``stage_host_bytes(stage)`` (one rank's) and the rank order."""
+    out = []
+    for node, counts in enumerate(node_stage_ranks(layout, hardware.devices_per_node)):
+        per_rank = {stage: stage_host_bytes(stage) for stage in counts}
+        total = sum(k * per_rank[stage] for stage, k in counts.items())
+        out.append(NodeHostUse(node, counts, per_rank, total, node_budget_bytes(hardware, sum(counts.values()))))
+    return out
+
+
+def overflow_reason(nodes: Sequence[NodeHostUse], hardware: HardwareProfile, owner: str) -> str:
+    """Why a plan does not fit the host RAM per node, naming the setting (``owner``: where it comes from)."""
+    worst = max(nodes, key=lambda n: n.host_bytes - n.budget_bytes)
+    parts = " + ".join(f"{k} ranks of stage {s} x {worst.stage_host_bytes[s] / GB:.1f} GB"
+                       for s, k in worst.stage_ranks.items() if worst.stage_host_bytes[s])
+    share = "" if worst.ranks >= hardware.devices_per_node else f", its share for {worst.ranks} of {hardware.devices_per_node} devices"
+    return (f"out of memory in host RAM per node: node {worst.node} would hold {worst.host_bytes / GB:.1f} GB of "
+            f"swapped activations ({parts}) > {worst.budget_bytes / GB:.1f} GB (host_memory_bytes "
+            f"{hardware.host_memory_bytes / GB:.0f} GB x host_swap_fraction {hardware.host_swap_fraction:g}{share}, "
+            f"{owner}); raise host_memory_bytes or host_swap_fraction, or use more devices")
+
+
+__all__ = ["NodeHostUse", "equal_host_budget_bytes", "host_resident_bytes", "node_budget_bytes", "node_host_use",
+           "node_stage_ranks", "overflow_reason", "ranks_per_stage", "stage_host_budget_bytes", "stage_host_bytes"]
