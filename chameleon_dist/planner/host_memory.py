@@ -8,12 +8,15 @@ node that straddles stages (``tp cp dp < devices_per_node``, or a stage width th
 holds the sum over its stages.
 
 The node's swap budget is ``host_memory_bytes x host_swap_fraction``; a node the job fills only in part
-gets the share of its devices in use (its other devices may run another job). Each stage's policy is given,
-per rank, the most one of its ranks can hold on any node that holds it: the node's budget over the ranks
-of *that stage* on the node (``stage_host_budget_bytes``), not over all ranks of the node; ranks of one stage
-run the same trace, so an equal split among them is exact, and ranks of another stage in the same node
-are accounted for by the node sum (``node_host_use``). A stage that needs to swap more than its neighbour
-in the node may use the neighbour's unused share.
+gets the share of its devices in use (its other devices may run another job). A swap plan fits only if
+every node's sum fits (``node_host_use``). What each stage's policy may fill per rank
+(``fit_host_memory``): first the most one of its ranks can hold on any node holding it, the node's budget
+over the ranks of *that stage* there (ranks of one stage run the same trace, so an equal split among them
+is exact; a neighbour stage that swaps little leaves its share unused); since the policy fills what it is
+given, a node that then overflows gets its largest consumer re-run with what the node's other ranks leave
+it; failing that, every stage gets the node's equal share per device (what the policy was given before
+nodes were summed). A stage between the first and the last is not simulated: where it does not fit
+without swapping, the first stage's residency stands for it (``host_source``).
 
 Host residency follows the policy generator's own accounting of ``host_budget_bytes``: a swapped storage
 occupies host memory from the op after its last forward use to its first backward use.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -32,6 +36,15 @@ from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, Train
 from chameleon_dist.policy.model import Decision, Policy
 
 GB = 1e9
+
+
+class _Estimate(Protocol):
+    stage: int
+    feasible: bool
+    host_bytes: int
+
+
+E = TypeVar("E", bound=_Estimate)
 
 
 def host_resident_bytes(policy: Policy | None) -> int:
@@ -87,25 +100,24 @@ def equal_host_budget_bytes(hardware: HardwareProfile) -> int:
     return hardware.host_swap_budget_bytes()
 
 
-def stage_host_bytes(model: ModelProfile, setup: TrainingSetup, layout: Layout, estimated: dict[int, int],
-                     usable_bytes: int) -> Callable[[int], int]:
-    """One rank's host residency per stage, from the stages the swap model ran (``estimated``: stage -> host
-    bytes; the first and the last stage, where they do not fit without swapping). A stage between them
-    that fits without swapping holds nothing; one that does not is bounded by the first stage's figure: it
-    holds the same layers with fewer micro-batches in flight and no embedding, so it has less to move."""
-    cache: dict[int, int] = {}
+def host_source(model: ModelProfile, setup: TrainingSetup, layout: Layout, estimated: set[int],
+                usable_bytes: int) -> Callable[[int], int | None]:
+    """Which swap-model run stands for a stage's host residency (``estimated``: the stages it ran, the first
+    and the last where they do not fit without swapping): the stage's own; for a stage between them that
+    does not fit without swapping, the first stage's, a bound (it holds the same layers with fewer
+    micro-batches in flight and no embedding, so it has less to move); None: the stage swaps nothing."""
+    cache: dict[int, int | None] = {}
 
-    def host_of(stage: int) -> int:
+    def source(stage: int) -> int | None:
         if stage in estimated:
-            return estimated[stage]
+            return stage
         if stage in (0, layout.pp - 1) or 0 not in estimated:
-            return 0
+            return None
         if stage not in cache:
-            over = stage_memory(model, setup, layout, stage).peak_bytes > usable_bytes
-            cache[stage] = estimated[0] if over else 0
+            cache[stage] = 0 if stage_memory(model, setup, layout, stage).peak_bytes > usable_bytes else None
         return cache[stage]
 
-    return host_of
+    return source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,5 +167,86 @@ def overflow_reason(nodes: Sequence[NodeHostUse], hardware: HardwareProfile, own
             f"{owner}); raise host_memory_bytes or host_swap_fraction, or use more devices")
 
 
-__all__ = ["NodeHostUse", "equal_host_budget_bytes", "host_resident_bytes", "node_budget_bytes", "node_host_use",
-           "node_stage_ranks", "overflow_reason", "ranks_per_stage", "stage_host_budget_bytes", "stage_host_bytes"]
+def fit_host_memory(hardware: HardwareProfile, layout: Layout, stages: Sequence[int], run: Callable[[int, int], E],
+                    source: Callable[[int], int | None]) -> tuple[dict[int, E], list[NodeHostUse]]:
+    """Each of ``stages``' swap estimates (``run(stage, host_budget_bytes)``) and the host RAM per node they
+    add up to. First every stage gets the most its nodes allow one of its ranks (``stage_host_budget_bytes``).
+    The policy fills what it is given (more on the host, less stall), so where a node then overflows, the
+    largest consumer of each such node runs again with what the node's other ranks leave it; failing that,
+    every stage gets the node's equal share per device. The first that fits every node is kept, else the
+    first (its node sums say why it does not fit)."""
+    def use(found: dict[int, E]) -> list[NodeHostUse]:
+        def host_of(stage: int) -> int:
+            src = source(stage)
+            return 0 if src is None else found[src].host_bytes
+
+        return node_host_use(hardware, layout, host_of)
+
+    def fits(found: dict[int, E], nodes: list[NodeHostUse]) -> bool:
+        return all(e.feasible for e in found.values()) and all(n.fits for n in nodes)
+
+    budgets = {stage: stage_host_budget_bytes(hardware, layout, stage) for stage in stages}
+    first = {stage: run(stage, budgets[stage]) for stage in stages}
+    first_nodes = use(first)
+    if fits(first, first_nodes) or not all(e.feasible for e in first.values()):
+        return first, first_nodes
+    leftover = _leftover_budgets(hardware, layout, first, first_nodes, source)
+    if leftover:
+        found = {**first, **{stage: run(stage, budget) for stage, budget in leftover.items()}}
+        nodes = use(found)
+        if fits(found, nodes):
+            return found, nodes
+    equal = equal_host_budget_bytes(hardware)
+    if any(budget > equal for budget in budgets.values()):
+        found = {stage: run(stage, equal) for stage in stages}
+        nodes = use(found)
+        if fits(found, nodes):
+            return found, nodes
+    return first, first_nodes
+
+
+def _leftover_budgets(hardware: HardwareProfile, layout: Layout, found: dict[int, E], nodes: list[NodeHostUse],
+                      source: Callable[[int], int | None]) -> dict[int, int]:
+    """For the largest consumer of each overflowing node: per rank, the least any of its nodes leaves once the
+    node's other ranks hold what they hold now."""
+    layout_nodes = node_stage_ranks(layout, hardware.devices_per_node)
+    rerun = set()
+    for counts, node in zip(layout_nodes, nodes):
+        sources = {source(stage) for stage in counts} - {None}
+        if not node.fits and sources:
+            rerun.add(max(sources, key=lambda src: (found[src].host_bytes, -src)))
+    budgets: dict[int, int] = {}
+    for counts, node in zip(layout_nodes, nodes):
+        mine = sum(k for stage, k in counts.items() if source(stage) in rerun)
+        if not mine:
+            continue
+        others = sum(k * found[src].host_bytes for stage, k in counts.items()
+                     if (src := source(stage)) is not None and src not in rerun)
+        share = max(0, node.budget_bytes - others) // mine
+        for stage in counts:
+            if (src := source(stage)) in rerun:
+                budgets[src] = min(budgets.get(src, share), share)
+    return budgets
+
+
+HOST_FULL_FRACTION = 0.9
+"""A failed stage whose host residency is this much of its host budget per rank reads as stopped by it too (the
+generator's "all candidates" fallback does not say when the host budget left some out)."""
+
+
+def host_budget_words(hardware: HardwareProfile, layout: Layout, stage: int, host_bytes: int, owner: str,
+                      stopped: bool) -> str:
+    """Where a failed stage's host budget per rank comes from, when the budget stopped its policy (``stopped``)
+    or the policy filled it; empty otherwise."""
+    budget = stage_host_budget_bytes(hardware, layout, stage)
+    if not stopped and host_bytes < HOST_FULL_FRACTION * budget:
+        return ""
+    ranks = max(counts[stage] for counts in node_stage_ranks(layout, hardware.devices_per_node) if stage in counts)
+    return (f"; its host budget is full: {host_bytes / GB:.1f} of {budget / GB:.1f} GB per rank, host RAM per node "
+            f"(host_memory_bytes {hardware.host_memory_bytes / GB:.0f} GB x host_swap_fraction "
+            f"{hardware.host_swap_fraction:g} {owner}) over the {ranks} ranks of stage {stage} on a node")
+
+
+__all__ = ["NodeHostUse", "equal_host_budget_bytes", "fit_host_memory", "host_resident_bytes", "host_source",
+           "node_budget_bytes", "node_host_use", "node_stage_ranks", "overflow_reason", "host_budget_words",
+           "ranks_per_stage", "stage_host_budget_bytes"]

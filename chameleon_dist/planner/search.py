@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING
 
 from chameleon_dist.planner.host_memory import (
     NodeHostUse,
-    equal_host_budget_bytes,
-    node_host_use,
+    fit_host_memory,
+    host_budget_words,
+    host_source,
     overflow_reason,
-    stage_host_budget_bytes,
-    stage_host_bytes,
 )
 from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.memory import StageMemory, rank_peaks, stage_layers
@@ -157,22 +156,15 @@ def evaluate(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetu
 
 def _apply_swap(plan: Plan, model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup) -> None:
     timing = stage_timing(model, hardware, setup, plan.layout)
-    need = stages_needing_swap(plan.memory, plan.budget_bytes)
+    need = {m.stage: m for m in stages_needing_swap(plan.memory, plan.budget_bytes)}
 
-    def run(host_budget_of) -> tuple[list[SwapEstimate], list[NodeHostUse]]:
-        """Each stage's policy with its host budget per rank, and the host RAM per node it adds up to."""
-        out = [estimate_swap(model, hardware, setup, plan.layout, m, timing, host_budget_bytes=host_budget_of(m.stage))
-               for m in need]
-        host_of = stage_host_bytes(model, setup, plan.layout, {e.stage: e.host_bytes for e in out}, hardware.usable_bytes)
-        return out, node_host_use(hardware, plan.layout, host_of)
+    def run(stage: int, host_budget_bytes: int) -> SwapEstimate:
+        return estimate_swap(model, hardware, setup, plan.layout, need[stage], timing, host_budget_bytes=host_budget_bytes)
 
-    # per rank the most its node allows (host_memory); where the node sum then overflows, once more with the
-    # node's equal share per device, which cannot overflow a node its policies fit in
-    estimates, nodes = run(lambda stage: stage_host_budget_bytes(hardware, plan.layout, stage))
-    if all(e.feasible for e in estimates) and not all(n.fits for n in nodes):
-        equal = equal_host_budget_bytes(hardware)
-        if any(stage_host_budget_bytes(hardware, plan.layout, m.stage) > equal for m in need):
-            estimates, nodes = run(lambda stage: equal)
+    # the ranks of a node share its host RAM (host_memory): each stage's host budget per rank follows from that
+    source = host_source(model, setup, plan.layout, set(need), plan.budget_bytes)
+    found, nodes = fit_host_memory(hardware, plan.layout, list(need), run, source)
+    estimates = [found[stage] for stage in need]
     plan.swap, plan.host_nodes = estimates, nodes
     stall = max(e.stall_s for e in estimates)
     plan.time = iteration_time(model, hardware, setup, plan.layout, stall_s=stall)
@@ -344,13 +336,16 @@ def _explain(result: SearchResult) -> None:
     for plan in result.plans:
         if plan.status == OUT_OF_MEMORY:
             worst = max(plan.memory, key=lambda m: m.peak_bytes)
+            owner = (f"of cluster {result.cluster.name}" if result.cluster is not None
+                     else f"of hardware profile {result.hardware.name}")
             if plan.swap and all(s.feasible for s in plan.swap) and not all(n.fits for n in plan.host_nodes):
-                owner = (f"of cluster {result.cluster.name}" if result.cluster is not None
-                         else f"of hardware profile {result.hardware.name}")
                 plan.reason = overflow_reason(plan.host_nodes, result.hardware, owner)
             elif plan.swap:
                 failed = next((s for s in plan.swap if not s.feasible), plan.swap[0])
                 why = why_swap_failed(failed)
+                if result.cluster is not None:  # (the words of a run without a cluster stay as they were)
+                    why += host_budget_words(result.hardware, plan.layout, failed.stage, failed.host_bytes, owner,
+                                             stopped=failed.infeasibility == Infeasibility.HOST_BUDGET)
                 plan.reason = (f"out of memory even with swap: stage {failed.stage} peaks at "
                                f"{failed.peak_bytes / gb:.1f} GB > {plan.budget_bytes / gb:.1f} GB allowed ({why})")
             else:
