@@ -223,7 +223,8 @@ def test_two_stages_in_one_node_share_its_host_ram():
     assert shared - alone <= 4 * stage1 + GB // 8
 
 
-SWAP_ONLY = SearchSpace(tp=(1,), pp=(2,), vpp=(4,), micro_batch=(1,), recompute=("none",), swap=(False, True))
+SWAP_ONLY = SearchSpace(tp=(1,), pp=(2,), vpp=(4,), micro_batch=(1,), recompute=("none",), swap=(False, True),
+                        cp=(1,))  # (with CP2 Llama2-7B at 8K fits without swap)
 
 
 def test_too_little_host_ram_per_node_is_out_of_memory_naming_it(tmp_path):
@@ -243,7 +244,7 @@ def test_too_little_host_ram_per_node_is_out_of_memory_naming_it(tmp_path):
 def test_a_policy_stopped_by_the_host_budget_names_host_ram_per_node(capsys, tmp_path):
     tiny = _cluster_file(tmp_path, name="tiny-host", nodes=1, host="16GB")
     argv = ["--cluster", str(tiny), "--model", "llama2-7b", "--seq", "8192", "--global-batch", "64",
-            "--tp", "1", "--pp", "2", "--vpp", "4", "--micro-batch", "1", "--recompute", "none"]
+            "--tp", "1", "--cp", "1", "--pp", "2", "--vpp", "4", "--micro-batch", "1", "--recompute", "none"]
     code, data = _json(capsys, argv)
     assert code == 3 and data["best"] is None
     swap_plan = next(a for a in data["alternatives"] if a["layout"]["swap"])

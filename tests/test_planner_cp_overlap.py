@@ -233,7 +233,7 @@ def test_switches_resolve_cli_then_profile_then_megatrons_default():
 def _captured_setup(monkeypatch, argv):
     seen = {}
 
-    def fake_search(model, hardware, setup, world_size, space):
+    def fake_search(model, hardware, setup, world_size, space, **_):
         seen.update(setup=setup, space=space)
         raise SystemExit(0)
 

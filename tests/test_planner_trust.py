@@ -11,6 +11,7 @@ from chameleon_dist.cli import plan as cli
 from chameleon_dist.config import ConfigError
 from chameleon_dist.config.shipped import CONFIGS_DIR
 from chameleon_dist.planner import Layout, SearchSpace, TrainingSetup, evaluate, load_hardware, load_model, search
+from chameleon_dist.planner.cluster import load_cluster
 from chameleon_dist.planner.profiles import HardwareProfile, shipped_names
 from chameleon_dist.planner.search import FEASIBLE, OUT_OF_MEMORY, TIE_FRACTION, departures
 from chameleon_dist.planner.sensitivity import AssumedInput, sensitivity_of_search, sweep, with_inputs
@@ -128,20 +129,22 @@ def test_report_names_the_recommended_tie_and_why(capsys):
 
 
 # ---- assumed inputs carry ranges --------------------------------------------------------------------------
-@pytest.mark.parametrize("name", shipped_names("hardware"))
-def test_every_shipped_hardware_input_has_a_source_or_an_assumed_range(name):
-    hardware = load_hardware(name)
-    text = (CONFIGS_DIR / "hardware" / f"{name}.yaml").read_text()
+@pytest.mark.parametrize("kind, name", [("hardware", n) for n in shipped_names("hardware")]
+                         + [("clusters", n) for n in shipped_names("cluster")])
+def test_every_shipped_hardware_input_has_a_source_or_an_assumed_range(kind, name):
+    hardware = load_hardware(name) if kind == "hardware" else load_cluster(name).device_profile()
+    text = (CONFIGS_DIR / kind / f"{name}.yaml").read_text()
     in_block = False
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
         in_block = line.startswith("  ") or (line.startswith("assumed:"))
         field = line.split(":")[0].strip()
-        if in_block or field in ("kind", "name", "description"):
+        if in_block or field in ("kind", "name", "description", "hardware"):
             continue
         assert "#" in line, f"{name}: {field} has no source comment"
-        if "assumption" in line.split("#", 1)[1] and field in HardwareProfile.model_fields:
+        unused = "unused" in line.split("#", 1)[1]  # (a required field that one node never uses)
+        if "assumption" in line.split("#", 1)[1] and field in HardwareProfile.model_fields and not unused:
             value = getattr(hardware, field)
             if isinstance(value, (int, float)) and field != "devices_per_node":
                 assert field in hardware.assumed, f"{name}: {field} is an assumption without a range"

@@ -47,6 +47,8 @@ class ClusterProfile(_Profile):
     h2d_concurrent_bytes_per_s: BytesPerS | None = None  # H2D while D2H also runs; None: see device_profile
     host_memory_bytes: Bytes  # host RAM per node
     host_swap_fraction: float | None = Field(None, gt=0, le=1)  # None: the hardware profile's
+    # the cluster's own inputs with no source at hand: field -> [low, high], as a hardware profile's ``assumed``
+    assumed: dict[str, tuple[float | str, float | str]] = Field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -79,6 +81,10 @@ class ClusterProfile(_Profile):
             host_memory_bytes=self.host_memory_bytes,
             host_swap_fraction=self.host_swap_fraction or base.host_swap_fraction,
         )
+        # a value the cluster sets is the cluster's: the accelerator's range for it goes, the cluster's own applies
+        base_values = base.model_dump()
+        assumed = {k: v for k, v in base.assumed.items() if values[k] == base_values[k]}
+        values["assumed"] = {**assumed, **self.assumed}
         try:
             return HardwareProfile.model_validate(values)
         except ValidationError as exc:
