@@ -60,7 +60,7 @@ def table(rows: list[list[str]], header: list[str], max_width: int = MAX_WIDTH) 
 def _swap_cell(plan: Plan) -> str:
     if not plan.layout.swap or not plan.swap:
         return "-"
-    return f"{plan.swapped_bytes / GB:.0f} GB, stall {plan.time.stall:.2f} s"
+    return f"{plan.swapped_bytes / GB:.0f} GB, {plan.time.stall:.2f} s"
 
 
 def plan_row(plan: Plan, best: Plan | None) -> list[str]:
@@ -162,7 +162,7 @@ def text_report(result: SearchResult, top: int = 12) -> str:
     lines += ["", f"alternatives ({len(feasible)} fit, {len(pruned)} pruned, {len(oom)} out of memory; top {len(shown)} "
                   f"that fit and the {len(fastest_oom)} fastest that do not):"]
     rows = [plan_row(p, best) for p in shown + fastest_oom]
-    lines.append(table(rows, ["plan", "peak GB", "free GB", "iteration s", "vs best", "swap", "why not the best"]))
+    lines.append(table(rows, ["plan", "peak GB", "free GB", "s", "vs best", "swapped, stall", "why not the best"]))
     return "\n".join(_fit(line) for text in lines for line in text.split("\n"))
 
 
