@@ -174,6 +174,9 @@ class HardwareProfile(_Profile):
     reserved_bytes: int = Field(0, ge=0)  # kept free for the runtime, allocator and fragmentation
     peak_flops_per_s: float = Field(gt=0)  # dense 16-bit peak
     efficiency: float = Field(gt=0, le=1)  # achieved fraction of the peak in training matmuls
+    # GEMM size (FLOPs of one kernel) at which a GEMM reaches half of ``efficiency`` (planner/efficiency.py);
+    # 0: every GEMM runs at ``efficiency``
+    gemm_half_efficiency_flops: float = Field(0.0, ge=0)
     memory_bytes_per_s: BytesPerS  # device memory (HBM) bandwidth, for the optimizer step
     h2d_bytes_per_s: BytesPerS  # host -> device, pinned memory
     d2h_bytes_per_s: BytesPerS  # device -> host, pinned memory

@@ -1,6 +1,6 @@
 """Iteration time of a layout: compute, recomputation, TP/PP/DP/EP communication, the pipeline bubble.
 
-Compute is FLOPs over the device's peak times an efficiency factor. A layer's forward FLOPs (per
+Compute is FLOPs over the device's peak times the efficiency of the per-rank GEMM shapes (``efficiency``). A layer's forward FLOPs (per
 micro-batch of ``b`` sequences of ``s`` tokens, hidden ``h``): ``2 s b h (h + 2 h_kv)`` for the QKV
 projection, ``2 s b h^2`` for the output projection, ``4 s^2 b h`` for scores and context (halved for
 flash attention, which skips the masked half of a causal mask), and ``2 s b h f`` per MLP matrix
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from chameleon_dist.planner.efficiency import layer_rates
 from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.memory import stage_layers, stage_params
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
@@ -148,11 +149,13 @@ class LayerTimes:
 
 def layer_times(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> LayerTimes:
     flops = layer_flops(model, setup, layout.micro_batch)
-    rate = hardware.effective_flops_per_s * layout.tp
+    rates = layer_rates(model, hardware, setup, layout)
+    rate = rates.layer_flops_per_s
     forward = flops.forward_flops / rate
     per_chunk = stage_layers(model, layout) // layout.vpp
     share = layout.recomputed_layers(per_chunk) / per_chunk  # of the layers rebuilt in backward
-    recompute = flops.core_flops / rate if layout.recompute == RecomputeMode.SELECTIVE else share * forward
+    selective = layout.recompute == RecomputeMode.SELECTIVE
+    recompute = flops.core_flops / rates.core_flops_per_s if selective else share * forward
 
     forward, recompute = forward / layout.cp, recompute / layout.cp  # a CP rank computes s / cp tokens
     hidden_bytes = setup.seq_length * layout.micro_batch * model.hidden_size * setup.activation_bytes / layout.cp
@@ -275,8 +278,11 @@ class StageTiming:
 
 
 def stage_timing(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> StageTiming:
-    head_rate = hardware.head_flops_per_s or hardware.effective_flops_per_s  # (a calibrated head has its own)
-    head = head_flops(model, setup, layout.micro_batch) / (head_rate * layout.tp)
+    if hardware.head_flops_per_s:  # (a calibrated head has its own rate)
+        head_rate = hardware.head_flops_per_s * layout.tp
+    else:  # the output layer's GEMM at its per-rank shape (planner/efficiency.py)
+        head_rate = layer_rates(model, hardware, setup, layout).head_flops_per_s
+    head = head_flops(model, setup, layout.micro_batch) / head_rate
     return StageTiming(layer_times(model, hardware, setup, layout), head / layout.cp,
                        hardware.head_backward_to_forward * head / layout.cp,
                        stage_layers(model, layout))
