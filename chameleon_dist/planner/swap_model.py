@@ -9,8 +9,11 @@ the fp32 logits). Live bytes per op are the stage's model state and workspace, t
 the op, and the transients of the op (gradients being produced, a rebuilt attention core). Op durations come from the planner's cost model (``op_times_s``), so the simulator's copy
 windows are the planner's compute and communication times.
 
-The policy decides what leaves the device to fit the usable device memory and predicts the stall. Stages with many micro-batches are
-simulated with fewer (the schedule's steady state repeats) and the stall is extrapolated linearly.
+What leaves the device to fit the usable device memory, and the stall, come from ``swap_prefix``: the shortest
+prefix of a fixed order of the trace's saved storages that fits, replayed conservatively, so that more memory
+or a faster host link never gives a slower or infeasible estimate (the runtime's policy generator, a
+heuristic, does not promise that). Stages with many micro-batches are simulated with fewer (the schedule's
+steady state repeats) and the stall and the swapped bytes are scaled by the micro-batch ratio.
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ import dataclasses
 import enum
 import logging
 
-from chameleon_dist.planner.host_memory import host_resident_bytes
 from chameleon_dist.planner.layout import FORWARD_STEP, Layout, RecomputeMode, in_flight_chunks, schedule
 from chameleon_dist.planner.memory import SavedTensor, StageMemory, head_activations, layer_activations
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
 from chameleon_dist.planner.timing import StageTiming
-from chameleon_dist.policy import PolicySettings, generate_policies
-from chameleon_dist.policy.model import Decision, Infeasibility, Policy
+from chameleon_dist.planner.swap_prefix import estimate_prefix
+from chameleon_dist.policy.model import Infeasibility
 from chameleon_dist.trace.step_trace import BACKWARD, FORWARD, OpRecord, StepTrace, StorageRecord, TensorRecord
 
 logger = logging.getLogger(__name__)
@@ -164,7 +166,7 @@ def _simulated_counts(layout: Layout, stage: int, num_micro_batches: int) -> lis
 
 def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout,
                   memory: StageMemory, timing: StageTiming, host_budget_bytes: int | None = None) -> SwapEstimate:
-    """Run the policy generator on the stage's trace; stall and peak as the simulator predicts them.
+    """The stage trace's monotone swap verdict (``swap_prefix``): feasibility, stall and peak.
     ``host_budget_bytes``: host memory one rank may fill (default ``hardware.host_swap_budget_bytes()``)."""
     m = layout.num_micro_batches(setup.global_batch_size)
     last = layout.holds_head(memory.stage)
@@ -173,39 +175,19 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
         return SwapEstimate(memory.stage, False, 0.0, memory.peak_bytes, max(budget, 0), 0, 0,
                             reason="model state, workspace and transients alone exceed the device",
                             infeasibility=StageInfeasibility.STATIC_ABOVE_DEVICE)
-    settings = PolicySettings(
-        budget_bytes=budget, d2h_bytes_per_s=hardware.d2h_bytes_per_s, h2d_bytes_per_s=hardware.swap_h2d_bytes_per_s,
-        min_swap_bytes=setup.min_swap_bytes, score_c=2.0,
-        host_budget_bytes=hardware.host_swap_budget_bytes() if host_budget_bytes is None else host_budget_bytes,
-        trials=1, allow_recompute=False, ops_per_group=1,
-    )
     acts = layer_activations(model, setup, layout.tp, layout.micro_batch, layout.recompute, cp=layout.cp)
     layer_parts = storage_parts(acts.tensors, skip_core=layout.recompute == RecomputeMode.SELECTIVE)
     head_parts = storage_parts(head_activations(model, setup, layout.tp, layout.micro_batch, cp=layout.cp))
-    runs = []
-    for count in _simulated_counts(layout, memory.stage, m):
-        trace, times = build_stage_trace(memory, timing, layout, count, last, layer_parts, head_parts)
-        policy = generate_policies(trace, settings, op_times_s=times).best
-        runs.append((count, policy))
-    count, policy = runs[-1]
-    if policy is None:  # nothing above the budget: nothing to swap
-        return SwapEstimate(memory.stage, True, 0.0, memory.peak_bytes, budget, 0, count)
-    stall, swapped = policy.predicted_stall_s, _swapped_bytes(policy)
-    if len(runs) == 2 and runs[0][1] is not None:
-        low_count, low = runs[0]
-        slope = (count - low_count) or 1
-        stall += (stall - low.predicted_stall_s) / slope * (m - count)
-        swapped += (swapped - _swapped_bytes(low)) // slope * (m - count)
-    peak = policy.predicted_peak_bytes
-    reason = "" if policy.feasible else (policy.reason or "the policy could not fit the budget")
-    return SwapEstimate(memory.stage, policy.feasible, max(stall, 0.0), peak, budget, max(swapped, 0), count,
-                        reason=reason, policy_summary=policy.summary(),
-                        infeasibility=None if policy.feasible else policy.infeasibility,
-                        host_bytes=host_resident_bytes(policy))
-
-
-def _swapped_bytes(policy: Policy) -> int:
-    return sum(e.nbytes for e in policy.entries if e.decision == Decision.SWAP)
+    count = _simulated_counts(layout, memory.stage, m)[-1]
+    trace, times = build_stage_trace(memory, timing, layout, count, last, layer_parts, head_parts)
+    host_budget = hardware.host_swap_budget_bytes() if host_budget_bytes is None else host_budget_bytes
+    verdict = estimate_prefix(trace, times, budget, hardware.d2h_bytes_per_s, hardware.swap_h2d_bytes_per_s,
+                              host_budget, setup.min_swap_bytes)
+    scale = m / count  # the simulated micro-batches stand for all of them (a positive factor keeps monotonicity)
+    return SwapEstimate(memory.stage, verdict.feasible, verdict.stall_s * scale if verdict.feasible else 0.0,
+                        verdict.peak_bytes, budget, int(verdict.swapped_bytes * scale), count,
+                        reason=verdict.reason, policy_summary=verdict.summary(), infeasibility=verdict.infeasibility,
+                        host_bytes=verdict.host_bytes)
 
 
 def stages_needing_swap(memories: list[StageMemory], usable_bytes: int) -> list[StageMemory]:
