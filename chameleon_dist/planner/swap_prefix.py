@@ -16,8 +16,9 @@ computes the estimate so that it cannot:
 3. **A conservative, monotone replay** (below) gives, for the first ``k`` units of the order, the peak
    ``peak(k, rate)``, the host bytes ``host(k)`` and the stall ``stall(k, rate)``.
 4. **The shortest fitting prefix.** ``k*`` is the smallest ``k`` with ``peak(k) <= budget`` and
-   ``host(k) <= host budget`` (a linear scan from ``k = 0``; ``peak(k)`` need not be monotone in ``k``, the
-   scan does not rely on it). The estimate is feasible when some lead has a ``k*``; its stall is the least
+   ``host(k) <= host budget``: a linear scan, since ``peak(k)`` need not be monotone in ``k``; it starts where
+   even instant copies first fit (a bound that falls with ``k``, found by bisection) and ends where the
+   host budget runs out (host bytes grow with ``k``), so it skips only prefixes that cannot fit. The estimate is feasible when some lead has a ``k*``; its stall is the least
    ``stall(k*)`` over the leads that fit.
 
 Why it is monotone. (a) Budget: a larger budget admits every ``k`` a smaller one admitted, so its ``k*`` is
@@ -177,19 +178,50 @@ class _Fit:
     host_limited: bool
 
 
+def _instant_peak(data: _Inputs, chosen: np.ndarray, swap_in: np.ndarray) -> int:
+    """The peak with instant copies: a lower bound of ``_peak`` that never rises with more units."""
+    n = len(data.base)
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, data.last_fwd[chosen] + 1, data.nbytes[chosen])
+    np.add.at(delta, swap_in[chosen], -data.nbytes[chosen])
+    return int((data.base - np.cumsum(delta)[:n]).max(initial=0))
+
+
+def _first(low: int, high: int, holds) -> int:
+    """The smallest ``k`` in ``[low, high]`` where the monotone predicate ``holds`` (``high + 1``: none)."""
+    while low <= high:
+        mid = (low + high) // 2
+        if holds(mid):
+            high = mid - 1
+        else:
+            low = mid + 1
+    return low
+
+
 def _shortest_fit(data: _Inputs, total_units: int, lead: int, budget_bytes: int, host_budget_bytes: int | None,
                   d2h_bytes_per_s: float) -> _Fit:
+    """The smallest ``k`` whose replay fits device and host. The scan skips only the ``k`` that cannot fit:
+    below ``k0`` even instant copies exceed the budget (that bound falls with ``k``), above ``k_host`` the
+    host budget is exceeded (host bytes grow with ``k``)."""
     swap_in = _swap_in_ops(data, lead)
-    peak, op = int(data.base.max(initial=0)), int(np.argmax(data.base)) if len(data.base) else 0
-    for k in range(total_units + 1):
-        chosen = np.flatnonzero(data.rank < k)
-        if host_budget_bytes is not None and k and _host_peak(data, chosen, swap_in) > host_budget_bytes:
-            return _Fit(lead, -1, peak, op, True)  # host(k) only grows with k
-        if k:
-            peak, op = _peak(data, chosen, swap_in, d2h_bytes_per_s)
+    base_peak = int(data.base.max(initial=0))
+    if base_peak <= budget_bytes:
+        return _Fit(lead, 0, base_peak, int(np.argmax(data.base)), False)
+
+    def chosen(k: int) -> np.ndarray:
+        return np.flatnonzero(data.rank < k)
+
+    k0 = _first(1, total_units, lambda k: _instant_peak(data, chosen(k), swap_in) <= budget_bytes)
+    k_host = total_units
+    if host_budget_bytes is not None:
+        k_host = _first(1, total_units, lambda k: _host_peak(data, chosen(k), swap_in) > host_budget_bytes) - 1
+    for k in range(k0, k_host + 1):
+        peak, op = _peak(data, chosen(k), swap_in, d2h_bytes_per_s)
         if peak <= budget_bytes:
             return _Fit(lead, k, peak, op, False)
-    return _Fit(lead, -1, peak, op, False)
+    last = max(1, min(total_units, k_host))
+    peak, op = _peak(data, chosen(last), swap_in, d2h_bytes_per_s)
+    return _Fit(lead, -1, peak, op, k_host < total_units)
 
 
 def estimate_prefix(trace: StepTrace, op_times_s: list[float], budget_bytes: int, d2h_bytes_per_s: float,
