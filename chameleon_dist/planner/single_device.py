@@ -7,10 +7,10 @@ budget). A stage of ``N`` layers is the model with ``num_layers = N``; a budget 
 is the device's usable memory (``memory_bytes - reserved_bytes``), which is all the planner fits against.
 
 Approaches (``APPROACHES``): ``none`` keeps every activation (its peak is reported even when it does not
-fit), ``selective`` and ``full`` recompute the attention core or whole layers, ``swap`` is the policy
-generator's swap-only plan for the budget, and ``swap+recompute`` is swap on top of selective
-recomputation. The planner does not model the policy's own per-tensor choice to rebuild rather than copy
-(its swap model runs the generator with ``allow_recompute=False``), nor swap with full recomputation.
+fit), ``selective`` and ``full`` recompute the attention core or whole layers, ``swap`` is the swap
+model's swap-only estimate for the budget (``swap_prefix``), and ``swap+recompute`` is swap on top of selective
+recomputation. The planner does not model the runtime policy's own per-tensor choice to rebuild rather than
+copy (its swap estimate only swaps), nor swap with full recomputation.
 
 :func:`physical_bound` is the link's limit on overlapped swapping: the share of one layer's saved
 activations that the device-to-host link moves during that layer's forward, from the same roofline.
