@@ -130,9 +130,10 @@ def test_the_replay_never_gets_worse_with_fewer_or_faster_copies():
             smaller = np.array(sorted(rng.sample(list(larger), rng.randrange(0, len(larger) + 1))), dtype=np.int64)
             rate = rng.uniform(2e9, 60e9)
             assert swap_prefix._stall(data, smaller, swap_in, rate) <= swap_prefix._stall(data, larger, swap_in, rate)
-            slow, fast = swap_prefix._stall(data, larger, swap_in, rate), swap_prefix._stall(data, larger, swap_in, rate * STEP)
-            assert fast <= slow
-            assert swap_prefix._peak(data, larger, swap_in, rate * STEP)[0] <= swap_prefix._peak(data, larger, swap_in, rate)[0]
+            faster_stall = swap_prefix._stall(data, larger, swap_in, rate * STEP)
+            assert faster_stall <= swap_prefix._stall(data, larger, swap_in, rate)
+            faster_peak = swap_prefix._peak(data, larger, swap_in, rate * STEP)[0]
+            assert faster_peak <= swap_prefix._peak(data, larger, swap_in, rate)[0]
             assert swap_prefix._host_peak(data, smaller, swap_in) <= swap_prefix._host_peak(data, larger, swap_in)
             assert swap_prefix._instant_peak(data, larger, swap_in) <= swap_prefix._peak(data, larger, swap_in, rate)[0]
 

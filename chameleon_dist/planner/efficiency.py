@@ -114,4 +114,5 @@ def layer_rates(model: ModelProfile, hardware: HardwareProfile, setup: TrainingS
                       _rate(head, hardware, layout.tp))
 
 
-__all__ = ["GemmGroup", "LayerRates", "gemm_efficiency", "gemm_parts", "gemm_shape_efficiency", "layer_rates", "tokens_per_rank"]
+__all__ = ["GemmGroup", "LayerRates", "gemm_efficiency", "gemm_parts", "gemm_shape_efficiency", "layer_rates",
+           "tokens_per_rank"]

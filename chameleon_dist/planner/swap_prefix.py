@@ -18,7 +18,8 @@ computes the estimate so that it cannot:
 4. **The shortest fitting prefix.** ``k*`` is the smallest ``k`` with ``peak(k) <= budget`` and
    ``host(k) <= host budget``: a linear scan, since ``peak(k)`` need not be monotone in ``k``; it starts where
    even instant copies first fit (a bound that falls with ``k``, found by bisection) and ends where the
-   host budget runs out (host bytes grow with ``k``), so it skips only prefixes that cannot fit. The estimate is feasible when some lead has a ``k*``; its stall is the least
+   host budget runs out (host bytes grow with ``k``), so it skips only prefixes that cannot fit. The
+   estimate is feasible when some lead has a ``k*``; its stall is the least
    ``stall(k*)`` over the leads that fit.
 
 Why it is monotone. (a) Budget: a larger budget admits every ``k`` a smaller one admitted, so its ``k*`` is

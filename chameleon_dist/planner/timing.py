@@ -1,6 +1,6 @@
 """Iteration time of a layout: compute, recomputation, TP/PP/DP/EP communication, the pipeline bubble.
 
-Compute is FLOPs over the device's peak times the efficiency of the per-rank GEMM shapes (``efficiency``). A layer's forward FLOPs (per
+Compute is FLOPs over the peak times the per-rank GEMMs' efficiency (``efficiency.py``). A layer's forward FLOPs (per
 micro-batch of ``b`` sequences of ``s`` tokens, hidden ``h``): ``2 s b h (h + 2 h_kv)`` for the QKV
 projection, ``2 s b h^2`` for the output projection, ``4 s^2 b h`` for scores and context (halved for
 flash attention, which skips the masked half of a causal mask), and ``2 s b h f`` per MLP matrix
