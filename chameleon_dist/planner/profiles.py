@@ -264,7 +264,7 @@ class HardwareProfile(_Profile):
 ASSUMABLE_INPUTS = (
     "memory_bytes", "reserved_bytes", "peak_flops_per_s", "efficiency", "memory_bytes_per_s", "h2d_bytes_per_s",
     "d2h_bytes_per_s", "h2d_concurrent_bytes_per_s", "intra_node_bus_bytes_per_s", "inter_node_bus_bytes_per_s",
-    "host_memory_bytes", "host_swap_fraction",
+    "host_memory_bytes", "host_swap_fraction", "gemm_half_efficiency_flops",
 )  # the numeric HardwareProfile fields an ``assumed`` range may cover
 
 
