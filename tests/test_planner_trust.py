@@ -26,6 +26,14 @@ def default_search():
                                                                                        seq_length=4096), 8)
 
 
+@pytest.fixture(scope="module")
+def tie_search():
+    """The default setting at seq 2K, which has a tie (at the default seq 4K the GEMM efficiency curve,
+    planner/efficiency.py, puts the best 2.7% ahead of the next plan)."""
+    return search(load_model("llama2-7b"), load_hardware("ascend-910b"), TrainingSetup(global_batch_size=64,
+                                                                                       seq_length=2048), 8)
+
+
 # ---- the memory margin ------------------------------------------------------------------------------------
 def test_every_plan_leaves_the_margin_swap_plans_too():
     llama, hardware = load_model("llama2-7b"), load_hardware("ascend-910b")
@@ -93,22 +101,22 @@ def test_text_report_shows_free_memory_for_every_plan(capsys):
 
 
 # ---- ties -------------------------------------------------------------------------------------------------
-def test_ties_are_the_plans_within_the_models_error(default_search):
-    best = default_search.best
-    ties = default_search.ties()
+def test_ties_are_the_plans_within_the_models_error(tie_search):
+    best = tie_search.best
+    ties = tie_search.ties()
     assert ties[0] is best and len(ties) >= 2
     limit = best.iteration_s * (1 + TIE_FRACTION)
     assert all(p.iteration_s <= limit for p in ties)
-    others = [p for p in default_search.plans if p.feasible and p not in ties]
+    others = [p for p in tie_search.plans if p.feasible and p not in ties]
     assert others and all(p.iteration_s > limit for p in others)
     for p in ties[1:]:
         if p.iteration_s > best.iteration_s * 1.0005:
             assert p.reason.startswith("a tie: ") and "error" in p.reason
 
 
-def test_the_recommended_tie_is_the_most_standard_then_the_roomiest(default_search):
-    ties = default_search.ties()
-    pick = default_search.recommended
+def test_the_recommended_tie_is_the_most_standard_then_the_roomiest(tie_search):
+    ties = tie_search.ties()
+    pick = tie_search.recommended
     assert pick in ties
     fewest = min(len(departures(p.layout)) for p in ties)
     assert len(departures(pick.layout)) == fewest
@@ -122,7 +130,9 @@ def test_departures_name_what_a_layout_adds():
 
 
 def test_report_names_the_recommended_tie_and_why(capsys):
-    assert cli.main([]) == 0
+    # a setting whose recommended tie is not the fastest plan (the default run has no tie since the GEMM
+    # efficiency curve)
+    assert cli.main(["--hardware", "a100-80gb", "--seq", "2048"]) == 0
     words = " ".join(capsys.readouterr().out.split())
     assert "within 2% of the best, the cost model's error: a tie." in words
     assert "recommended: " in words and "GB free" in words
