@@ -5,29 +5,30 @@ can move its greedy choices and its predicted stall either way. The planner need
 or a faster host link must never give a slower or infeasible estimate for the same layout. This module
 computes the estimate so that it cannot:
 
-1. **A fixed order.** The swap units are the saved storages of one forward op (one layer of one micro-batch,
+1. **Fixed orders.** The swap units are the saved storages of one forward op (one layer of one micro-batch,
    or the head); every storage the policy could swap (``policy.candidates.find_candidates``) belongs to one.
-   They are ranked longest copy window first (the stall-free time from the unit's last forward use to its
-   first backward use; ties: more bytes, then trace order). The op times come from the cost model, so the
-   order depends on neither the budget nor the link rate.
+   They are ranked by their copy window (the stall-free time from the unit's last forward use to its first
+   backward use; ties: more bytes, then trace order), longest first (copies easiest to hide) and, as a
+   second order, shortest first (the least time in host memory, where the host budget binds). The op times
+   come from the cost model, so neither order depends on the budget or the link rate.
 2. **A fixed placement.** A storage's swap-out is issued at the end of its last forward use; its swap-in at
    the start of the op ``lead`` ops before its first backward use (never before it left), for each ``lead``
    in ``LEADS_OPS``. Neither depends on the budget or the rate.
-3. **A conservative, monotone replay** (below) gives, for the first ``k`` units of the order, the peak
+3. **A conservative, monotone replay** (below) gives, for the first ``k`` units of an order, the peak
    ``peak(k, rate)``, the host bytes ``host(k)`` and the stall ``stall(k, rate)``.
 4. **The shortest fitting prefix.** ``k*`` is the smallest ``k`` with ``peak(k) <= budget`` and
    ``host(k) <= host budget``: a linear scan, since ``peak(k)`` need not be monotone in ``k``; it starts where
    even instant copies first fit (a bound that falls with ``k``, found by bisection) and ends where the
    host budget runs out (host bytes grow with ``k``), so it skips only prefixes that cannot fit. The
-   estimate is feasible when some lead has a ``k*``; its stall is the least
-   ``stall(k*)`` over the leads that fit.
+   estimate is feasible when some (order, lead) pair has a ``k*``; its stall is the least ``stall(k*)`` over
+   the pairs that fit.
 
 Why it is monotone. (a) Budget: a larger budget admits every ``k`` a smaller one admitted, so its ``k*`` is
 no longer: its copies are a subset of the smaller budget's. (b) Rate: ``peak(k, rate)`` never rises with the
 rate (below), so a faster link's ``k*`` is no longer either, and ``host(k)`` does not depend on the rate.
-(c) ``stall(k, rate)`` never rises when copies are removed or made faster (below). So for every lead the
-fitting set only grows and its stall only falls; the least stall over a growing set of leads only falls, and
-feasibility, once reached, stays.
+(c) ``stall(k, rate)`` never rises when copies are removed or made faster (below). So for every (order, lead)
+the fitting set only grows and its stall only falls; the least stall over a growing set of pairs only
+falls, and feasibility, once reached, stays.
 
 The replay. Times are the stall-free op times ``T``. The device-to-host link is FIFO in issue order:
 ``done_j = max(issue_j, done_{j-1}) + bytes_j / d2h``; a storage leaves the device at the end of the first op
@@ -57,6 +58,7 @@ from chameleon_dist.policy.model import Infeasibility
 from chameleon_dist.trace.step_trace import StepTrace
 
 LEADS_OPS = (1, 2, 4)  # swap-in issued this many ops before the first backward use
+ORDERS_LONGEST_FIRST = (True, False)  # longest copy window first (hides copies), shortest first (least host RAM)
 GB = 1e9
 
 
@@ -93,7 +95,8 @@ class _Inputs:
     rank: np.ndarray  # the candidate's unit position in the fixed order
 
 
-def _inputs(trace: StepTrace, op_times_s: list[float], min_swap_bytes: int) -> tuple[_Inputs, int]:
+def _inputs(trace: StepTrace, op_times_s: list[float], min_swap_bytes: int) -> tuple[list[_Inputs], int]:
+    """The trace's candidates in issue order, once per fixed order of the units (``ORDERS_LONGEST_FIRST``)."""
     candidates: list[Candidate] = find_candidates(trace, min_swap_bytes)
     op_s = np.asarray(op_times_s, dtype=np.float64)
     end_s = np.cumsum(op_s)
@@ -105,18 +108,22 @@ def _inputs(trace: StepTrace, op_times_s: list[float], min_swap_bytes: int) -> t
     def key(item: tuple[int, list[Candidate]]) -> tuple[float, int, int]:
         op, members = item
         window_s = min(start_s[c.first_backward_use] - end_s[c.last_forward_use] for c in members)
-        return (-window_s, -sum(c.nbytes for c in members), op)
+        return (-window_s if longest_first else window_s, -sum(c.nbytes for c in members), op)
 
-    position = {op: i for i, (op, _) in enumerate(sorted(units.items(), key=key))}
     ordered = sorted(candidates, key=lambda c: (c.last_forward_use, c.storage_id))
-    data = _Inputs(
-        base=np.asarray(trace.no_swap_memory_curve(), dtype=np.int64), op_s=op_s, end_s=end_s,
-        nbytes=np.array([c.nbytes for c in ordered], dtype=np.int64),
-        last_fwd=np.array([c.last_forward_use for c in ordered], dtype=np.int64),
-        first_bwd=np.array([c.first_backward_use for c in ordered], dtype=np.int64),
-        rank=np.array([position[c.created_at] for c in ordered], dtype=np.int64),
-    )
-    return data, len(units)
+    inputs = []
+    for longest_first in ORDERS_LONGEST_FIRST:
+        position = {op: i for i, (op, _) in enumerate(sorted(units.items(), key=key))}
+        rank = np.array([position[c.created_at] for c in ordered], dtype=np.int64)
+        if inputs:
+            inputs.append(dataclasses.replace(inputs[0], rank=rank))
+            continue
+        inputs.append(_Inputs(
+            base=np.asarray(trace.no_swap_memory_curve(), dtype=np.int64), op_s=op_s, end_s=end_s,
+            nbytes=np.array([c.nbytes for c in ordered], dtype=np.int64),
+            last_fwd=np.array([c.last_forward_use for c in ordered], dtype=np.int64),
+            first_bwd=np.array([c.first_backward_use for c in ordered], dtype=np.int64), rank=rank))
+    return inputs, len(units)
 
 
 def _swap_in_ops(data: _Inputs, lead: int) -> np.ndarray:
@@ -229,22 +236,22 @@ def estimate_prefix(trace: StepTrace, op_times_s: list[float], budget_bytes: int
                     h2d_bytes_per_s: float, host_budget_bytes: int | None = None,
                     min_swap_bytes: int = 0) -> PrefixEstimate:
     """The monotone swap estimate of one stage trace (module docstring)."""
-    data, total_units = _inputs(trace, op_times_s, min_swap_bytes)
-    fits = [_shortest_fit(data, total_units, lead, budget_bytes, host_budget_bytes, d2h_bytes_per_s)
-            for lead in LEADS_OPS]
-    best: tuple[float, _Fit, np.ndarray] | None = None
-    for fit in fits:
+    orders, total_units = _inputs(trace, op_times_s, min_swap_bytes)
+    fits = [(data, _shortest_fit(data, total_units, lead, budget_bytes, host_budget_bytes, d2h_bytes_per_s))
+            for data in orders for lead in LEADS_OPS]
+    best: tuple[float, _Inputs, _Fit, np.ndarray] | None = None
+    for data, fit in fits:
         if fit.k < 0:
             continue
         chosen = np.flatnonzero(data.rank < fit.k)
         stall = _stall(data, chosen, _swap_in_ops(data, fit.lead), h2d_bytes_per_s) if fit.k else 0.0
         if best is None or stall < best[0]:
-            best = (stall, fit, chosen)
+            best = (stall, data, fit, chosen)
     if best is not None:
-        stall, fit, chosen = best
+        stall, data, fit, chosen = best
         return PrefixEstimate(True, stall, fit.peak_bytes, int(data.nbytes[chosen].sum()), len(chosen), fit.k,
                               total_units, fit.lead, host_bytes=_host_peak(data, chosen, _swap_in_ops(data, fit.lead)))
-    first = fits[0]
+    data, first = next(((d, f) for d, f in fits if f.host_limited), fits[0])
     cause, reason = _why_not(data, first, budget_bytes, host_budget_bytes, d2h_bytes_per_s, h2d_bytes_per_s)
     return PrefixEstimate(False, 0.0, first.peak_bytes, int(data.nbytes.sum()), len(data.nbytes), total_units,
                           total_units, first.lead, cause, reason)
