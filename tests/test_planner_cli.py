@@ -94,7 +94,7 @@ def test_reproduction_table_names_each_baseline_and_shows_what_the_swap_contribu
 def test_reproduction_says_no_swap_needed_where_the_plan_does_not_swap():
     """Issue 29: 9 of 24 rows credited swap with plans that swap nothing."""
     # (on h100-80gb at 16K the plan swaps since GEMM efficiency depends on the per-rank shapes: TP1 PP2 VPP4
-    # with swap beats the best plan without swap by 3.4%; on a100-80gb at 8K the best plan needs no swap)
+    # with swap beats the best plan without swap by 3.2%; on a100-80gb at 8K the best plan needs no swap)
     scenario = reproduce.Scenario("llama2-7b", "a100-80gb", 8, 8192, 64)
     result = reproduce.run_scenario(scenario)
     c = result.result.comparison()
