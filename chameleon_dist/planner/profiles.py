@@ -173,7 +173,7 @@ class HardwareProfile(_Profile):
     memory_bytes: Bytes  # device memory
     reserved_bytes: int = Field(0, ge=0)  # kept free for the runtime, allocator and fragmentation
     peak_flops_per_s: float = Field(gt=0)  # dense 16-bit peak
-    efficiency: float = Field(gt=0, le=1)  # achieved fraction of the peak in training matmuls
+    efficiency: float = Field(gt=0, le=1)  # large-GEMM efficiency: the fraction of the peak a training GEMM reaches as it grows (planner/efficiency.py)
     # GEMM size (FLOPs of one kernel) at which a GEMM reaches half of ``efficiency`` (planner/efficiency.py);
     # 0: every GEMM runs at ``efficiency``
     gemm_half_efficiency_flops: float = Field(0.0, ge=0)
