@@ -97,7 +97,7 @@ class _Inputs:
 
 def _inputs(trace: StepTrace, op_times_s: list[float], min_swap_bytes: int) -> tuple[list[_Inputs], int]:
     """The trace's candidates in issue order, once per fixed order of the units (``ORDERS_LONGEST_FIRST``)."""
-    candidates: list[Candidate] = find_candidates(trace, min_swap_bytes)
+    candidates: list[Candidate] = find_candidates(trace, min_swap_bytes, judge_recompute=False)  # (swap only)
     op_s = np.asarray(op_times_s, dtype=np.float64)
     end_s = np.cumsum(op_s)
     start_s = end_s - op_s

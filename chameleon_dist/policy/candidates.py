@@ -51,8 +51,9 @@ def reduction_list(curve: list[int], budget_bytes: int) -> list[Reduction]:
     return [Reduction(i, live - budget_bytes) for i, live in enumerate(curve) if live > budget_bytes]
 
 
-def find_candidates(trace: StepTrace, min_swap_bytes: int = 0) -> list[Candidate]:
-    """Every swappable saved storage with its window (unscored; see :func:`score_candidates`)."""
+def find_candidates(trace: StepTrace, min_swap_bytes: int = 0, judge_recompute: bool = True) -> list[Candidate]:
+    """Every swappable saved storage with its window (unscored; see :func:`score_candidates`). Without
+    ``judge_recompute`` no candidate is marked exact for recomputation (a swap-only caller: the planner)."""
     tensors, storages, ops = trace.tensors, trace.storages, trace.ops
     first_save: dict[int, tuple[int, int]] = {}
     saves = trace.saves or [(t.tensor_id, -1) for t in tensors if t.saved]
@@ -91,7 +92,8 @@ def find_candidates(trace: StepTrace, min_swap_bytes: int = 0) -> list[Candidate
                       save_op if save_op >= 0 else storage.created_at + 1)
         )
     found.sort(key=lambda c: c.created_at)
-    _mark_exact_recompute(trace, found)
+    if judge_recompute:
+        _mark_exact_recompute(trace, found)
     return found
 
 
