@@ -26,7 +26,7 @@ from chameleon_dist.planner.timing import (
 
 LLAMA = load_model("llama2-7b")
 # at a constant GEMM efficiency (planner/efficiency.py off): these tests redo the CP and TP arithmetic by hand
-H100 = load_hardware("h100-80gb").model_copy(update={"gemm_half_efficiency_flops": 0.0})
+H100 = load_hardware("h100-80gb").model_copy(update={"gemm_half_efficiency_flops": 0.0, "attention_efficiency": None})
 RATE = H100.effective_flops_per_s  # the tests' own GEMM rate of one TP rank
 
 

@@ -36,7 +36,7 @@ def test_efficiency_never_falls_with_any_dimension_and_stays_under_the_cap():
 
 
 def test_without_the_parameter_every_gemm_runs_at_the_constant_efficiency():
-    flat = H100.model_copy(update={"gemm_half_efficiency_flops": 0.0})
+    flat = H100.model_copy(update={"gemm_half_efficiency_flops": 0.0, "attention_efficiency": None})
     setup = make_setup(global_batch_size=64, seq_length=4096)
     for tp, mb in ((1, 1), (4, 1), (4, 2), (8, 4)):
         layout = Layout(tp=tp, dp=8 // tp, micro_batch=mb)
@@ -60,7 +60,20 @@ def test_the_gemm_list_adds_up_to_the_layer_flops(model: ModelProfile, attention
         assert sum(g.flops for g in head) * tp == pytest.approx(head_flops(model, setup, mb), rel=1e-12)
 
 
+def test_fused_attention_runs_at_its_own_efficiency_and_unfused_on_the_curve():
+    setup = make_setup(global_batch_size=64, seq_length=4096)
+    layout = Layout(tp=2, dp=4)
+    flash = layer_rates(LLAMA7B, H100, setup, layout).core_flops_per_s
+    assert flash == pytest.approx(H100.peak_flops_per_s * H100.attention_efficiency * 2, rel=1e-12)
+    unfused = layer_rates(LLAMA7B, H100, make_setup(global_batch_size=64, seq_length=4096, attention="unfused"), layout)
+    (core,) = gemm_parts(LLAMA7B, make_setup(global_batch_size=64, seq_length=4096, attention="unfused"), layout,
+                         4096.0, H100)[1]
+    assert unfused.core_flops_per_s == pytest.approx(
+        H100.peak_flops_per_s * gemm_efficiency(H100, core.gemm_flops) * 2, rel=1e-12)
+
+
 def test_layer_rate_rises_with_micro_batch_sequence_and_width_and_falls_with_tp():
+    H100 = load_hardware("h100-80gb").model_copy(update={"attention_efficiency": None})  # (the GEMM curve alone)
     setup = make_setup(global_batch_size=64, seq_length=4096)
     per_rank = [layer_rates(LLAMA7B, H100, setup, Layout(tp=tp, micro_batch=1)).layer_flops_per_s / tp
                 for tp in (1, 2, 4, 8)]
@@ -130,8 +143,10 @@ def test_the_a100_value_reproduces_megatrons_published_mfu_ratios():
 
 
 def test_the_h100_class_value_reproduces_the_published_tp4_to_one_gpu_ratio():
-    """KempnerForge's H200 report (docs/reference/benchmarks.md): Llama 7B at seq 4096, full activation
-    checkpointing: one GPU 57.8% MFU, TP=4 34.7%."""
+    """KempnerForge's H200 report (docs/reference/benchmarks.md): Llama-3 7B at seq 4096, full activation
+    checkpointing: one GPU 57.8% MFU, TP=4 34.7%. The ratio pins gemm_half_efficiency_flops (at the assumed
+    large-GEMM efficiency 0.80 the planner gives 50.3% and 30.2%: the source's model has a 128K vocabulary and
+    does not say how it counts MFU, so only the ratio is taken)."""
     h200 = load_hardware("h200-141gb")
     assert h200.gemm_half_efficiency_flops == H100.gemm_half_efficiency_flops
 
@@ -140,6 +155,4 @@ def test_the_h100_class_value_reproduces_the_published_tp4_to_one_gpu_ratio():
         return tp4 / one
 
     assert ratio(h200) == pytest.approx(0.347 / 0.578, abs=0.01)
-    one = _mfu(LLAMA7B, h200, Layout(tp=1, recompute="full"), 8, seq_length=4096)
-    assert one == pytest.approx(0.578, abs=0.005)  # efficiency and the curve are fitted to both figures
     assert ratio(h200.model_copy(update={"gemm_half_efficiency_flops": 0.0})) > 0.7

@@ -165,6 +165,7 @@ def apply_calibration(hardware: HardwareProfile, calibration: Calibration, sourc
             _below_peak("layer_forward_s", calibration.layer_forward_s, flops, rate, shape, hardware, source)
             changes["efficiency"] = rate / hardware.peak_flops_per_s
             changes["gemm_half_efficiency_flops"] = 0.0  # the measured rate, at every shape (planner/efficiency.py)
+            changes["attention_efficiency"] = None  # (the measured layer time holds its attention too)
             if calibration.layer_backward_s is not None:
                 changes["backward_to_forward"] = calibration.layer_backward_s / calibration.layer_forward_s
         if calibration.head_forward_s is not None:

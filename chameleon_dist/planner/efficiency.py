@@ -18,7 +18,10 @@ column-parallel outputs and the row-parallel inputs):
 - MLP: the first matrix (or gate and up, fused) ``M x h -> (mlp_matrices - 1) f / tp``, the second
   ``M x f / tp -> h``; an MoE expert sees ``M * topk / num_experts`` tokens, one GEMM pair per local expert;
   the router ``M x h -> num_experts`` (not split);
-- the attention core (scores and context, one batched kernel): its FLOPs per rank;
+- the attention core (scores and context, one batched kernel): its FLOPs per rank; with flash attention and
+  the profile's ``attention_efficiency`` set, that fraction of the peak instead of the GEMM curve (a fused
+  attention kernel is not a GEMM: FlashAttention-2 reaches 50-73% of an A100's peak, FlashAttention-3 up to
+  75% of an H100's in forward);
 - the output layer ``M x h -> V / tp``.
 
 ``eff`` rises with every dimension (``F`` does, and ``F / (F + F_half)`` rises with ``F``), so a larger
@@ -52,13 +55,15 @@ class GemmGroup:
 
     gemm_flops: float
     count: float = 1.0
+    efficiency: float | None = None  # a fixed fraction of the peak instead of the GEMM curve (fused attention)
 
     @property
     def flops(self) -> float:
         return self.gemm_flops * self.count
 
     def seconds(self, hardware: HardwareProfile) -> float:
-        return self.flops / (hardware.peak_flops_per_s * gemm_efficiency(hardware, self.gemm_flops))
+        efficiency = self.efficiency or gemm_efficiency(hardware, self.gemm_flops)
+        return self.flops / (hardware.peak_flops_per_s * efficiency)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +81,14 @@ def tokens_per_rank(setup: TrainingSetup, layout: Layout) -> float:
 
 
 def _rate(groups: list[GemmGroup], hardware: HardwareProfile, tp: int) -> float:
-    if hardware.gemm_half_efficiency_flops <= 0:
+    if hardware.gemm_half_efficiency_flops <= 0 and all(g.efficiency is None for g in groups):
         return hardware.effective_flops_per_s * tp  # the constant efficiency, bit for bit
     seconds = sum(g.seconds(hardware) for g in groups)
     return sum(g.flops for g in groups) / seconds * tp
 
 
-def gemm_parts(model: ModelProfile, setup: TrainingSetup, layout: Layout,
-               tokens: float) -> tuple[list[GemmGroup], list[GemmGroup], list[GemmGroup]]:
+def gemm_parts(model: ModelProfile, setup: TrainingSetup, layout: Layout, tokens: float,
+               hardware: HardwareProfile | None = None) -> tuple[list[GemmGroup], list[GemmGroup], list[GemmGroup]]:
     """One rank's forward GEMMs of one layer (dense, attention core) and of the output layer, for ``tokens``
     tokens per rank. Their FLOPs times ``tp`` are ``timing.layer_flops`` and ``timing.head_flops`` (the
     router, replicated on every TP rank, is counted split as those count it)."""
@@ -102,14 +107,16 @@ def gemm_parts(model: ModelProfile, setup: TrainingSetup, layout: Layout,
     if model.num_experts:
         dense.append(GemmGroup(2.0 * tokens * h * model.num_experts / tp))
     keys = setup.seq_length
-    core = [GemmGroup(4.0 * tokens * keys * h / tp * (0.5 if setup.attention == "flash" else 1.0))]
+    flash = setup.attention == "flash"
+    core = [GemmGroup(4.0 * tokens * keys * h / tp * (0.5 if flash else 1.0),
+                      efficiency=hardware.attention_efficiency if flash and hardware is not None else None)]
     head = [GemmGroup(2.0 * tokens * h * model.vocab_size / tp)]
     return dense, core, head
 
 
 def layer_rates(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> LayerRates:
     """The compute rates of one layer's GEMMs and the output layer, from their per-rank shapes."""
-    dense, core, head = gemm_parts(model, setup, layout, tokens_per_rank(setup, layout))
+    dense, core, head = gemm_parts(model, setup, layout, tokens_per_rank(setup, layout), hardware)
     return LayerRates(_rate(dense + core, hardware, layout.tp), _rate(core, hardware, layout.tp),
                       _rate(head, hardware, layout.tp))
 

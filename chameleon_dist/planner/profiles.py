@@ -177,6 +177,9 @@ class HardwareProfile(_Profile):
     # GEMM size (FLOPs of one kernel) at which a GEMM reaches half of ``efficiency`` (planner/efficiency.py);
     # 0: every GEMM runs at ``efficiency``
     gemm_half_efficiency_flops: float = Field(0.0, ge=0)
+    # the fused (flash) attention kernel's fraction of the peak, forward and backward (planner/efficiency.py);
+    # None: the attention core is priced as one batched GEMM on the GEMM curve
+    attention_efficiency: float | None = Field(None, gt=0, le=1)
     memory_bytes_per_s: BytesPerS  # device memory (HBM) bandwidth, for the optimizer step
     h2d_bytes_per_s: BytesPerS  # host -> device, pinned memory
     d2h_bytes_per_s: BytesPerS  # device -> host, pinned memory
@@ -264,7 +267,7 @@ class HardwareProfile(_Profile):
 ASSUMABLE_INPUTS = (
     "memory_bytes", "reserved_bytes", "peak_flops_per_s", "efficiency", "memory_bytes_per_s", "h2d_bytes_per_s",
     "d2h_bytes_per_s", "h2d_concurrent_bytes_per_s", "intra_node_bus_bytes_per_s", "inter_node_bus_bytes_per_s",
-    "host_memory_bytes", "host_swap_fraction", "gemm_half_efficiency_flops",
+    "host_memory_bytes", "host_swap_fraction", "gemm_half_efficiency_flops", "attention_efficiency",
 )  # the numeric HardwareProfile fields an ``assumed`` range may cover
 
 
