@@ -156,3 +156,12 @@ def test_the_h100_class_value_reproduces_the_published_tp4_to_one_gpu_ratio():
 
     assert ratio(h200) == pytest.approx(0.347 / 0.578, abs=0.01)
     assert ratio(h200.model_copy(update={"gemm_half_efficiency_flops": 0.0})) > 0.7
+
+
+def test_the_910b_efficiency_reproduces_modellinks_published_llama2_7b_throughput():
+    """ModelLink's README: Llama2-7B on one 8-NPU 910B node, bf16, 2884 tokens/s per NPU with its
+    pretrain_llama2_7b_ptd.sh (TP8 PP1, sequence parallel, micro-batch 4, global batch 16, seq 4096)."""
+    hardware = load_hardware("ascend-910b")
+    plan = evaluate(LLAMA7B, hardware, make_setup(global_batch_size=16, seq_length=4096),
+                    Layout(tp=8, dp=1, micro_batch=4), run_swap=False)
+    assert plan.feasible and plan.tokens_per_s_per_device() == pytest.approx(2884, rel=0.01)
