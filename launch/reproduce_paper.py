@@ -34,6 +34,7 @@ DOC = REPO / "docs" / "planner.md"
 MARKERS = MappingProxyType({
     "reproduction": ("<!-- reproduction:begin -->", "<!-- reproduction:end -->"),
     "validation": ("<!-- validation:begin -->", "<!-- validation:end -->"),
+    "calibration": ("<!-- calibration:begin -->", "<!-- calibration:end -->"),  # (launch.planner_calibration)
 })
 RECOMPUTE_OVERRIDES = MappingProxyType({  # Megatron TransformerConfig fields
     "none": MappingProxyType({}),

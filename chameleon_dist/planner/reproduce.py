@@ -256,7 +256,9 @@ def markdown(results: list[ScenarioResult]) -> str:
         for f in r.fixed:
             lines.append(
                 f"| {r.scenario.label()} | {f.name} | {f.baseline_name}: {_plan(f.baseline)} | {_chameleon(f.chameleon)} "
-                f"| {_swap(f.chameleon)} | {_pct(f.speedup)} | {_range(f.spread)} | {_pct(f.published)} ({f.source}) "
+                f"| {_swap(f.chameleon)} | {_pct(f.speedup)} | {_range(f.spread)}"
+                f"{' (where a plan fits)' if f.speedup is None and f.spread is not None and f.spread.low is not None else ''}"
+                f" | {_pct(f.published)} ({f.source}) "
                 f"| {_verdict(f)} |")
     if any(r.ranges for r in results):
         lines += ["", "Assumed inputs swept: " + "; ".join(
