@@ -80,7 +80,7 @@ def header_text(result: SearchResult) -> str:
         + ("" if result.cluster is None else f" of {result.cluster.describe(result.world_size)}") + "\n"
         f"training: global batch {s.global_batch_size} x seq {s.seq_length}, {s.precision}, ZeRO stage {s.zero_stage}, "
         f"{s.attention} attention, sequence parallel {'on' if s.sequence_parallel else 'off'}\n"
-        f"searched {len(result.plans)} plans ({result.policy_runs} swap-policy simulations) in {result.elapsed_s:.2f} s"
+        f"searched {len(result.plans)} plans ({result.policy_runs} swap estimates) in {result.elapsed_s:.2f} s"
     )
 
 
