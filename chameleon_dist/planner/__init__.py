@@ -1,11 +1,12 @@
 """The planner: for a model, a cluster and its memory, which combination of parallel layout (TP, PP, DP,
 VPP, EP, micro-batch), recomputation and Chameleon swapping trains fastest, and by how much.
 
-Pure Python: a per-rank cost model (``memory``, ``timing``), the policy simulator for the swap option
-(``swap_model``), the layouts a world size allows (``space``), a layout search (``search``), comparison
-tables (``tables``), the paper's comparison (``reproduce``) and one device's predictions per approach with
-the host link's physical bound (``single_device``). Profiles live in ``configs/models`` and
-``configs/hardware``.
+Pure Python: a per-rank cost model (``memory``, ``timing``, ``efficiency``), a swap estimate monotone in
+memory and link speed (``swap_model``, ``swap_prefix``), host RAM per node (``host_memory``), the layouts a
+world size allows (``space``), a layout search (``search``), comparison tables (``tables``), ranges over
+assumed inputs (``sensitivity``), calibration files (``calibration``), the paper's comparison
+(``reproduce``) and one device's predictions per approach with the host link's physical bound
+(``single_device``). Profiles live in ``configs/models``, ``configs/hardware`` and ``configs/clusters``.
 """
 
 from chameleon_dist.planner.layout import RECOMPUTE_MODES, Layout, RecomputeMode, in_flight_chunks, schedule

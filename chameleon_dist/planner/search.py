@@ -1,9 +1,10 @@
 """Layout search: TP, PP, DP, VPP, EP, micro-batch size, recomputation and swap for one world size.
 
 Every layout gets the cost model's per-rank peak and iteration time; layouts that only fit with swapping
-get the policy generator's verdict on their stage traces, in order of their time without stall, and only
-while that time can still beat the best plan that needs no recomputation (a branch and bound: the
-generator is the one expensive step). The result holds the best feasible plan, every alternative with
+get the swap estimate's verdict on their stage traces (``swap_model``), in order of their time without stall,
+and only while that time can still beat the best plan that needs no recomputation (a branch and bound: the
+estimate is the one expensive step). Every plan leaves the setup's memory margin free; plans within
+``TIE_FRACTION`` of the best are ties, and ``SearchResult.recommended`` picks among them. The result holds the best feasible plan, every alternative with
 the reason it lost, and the comparison "best with swap vs best with recomputation vs best with a high
 TP/PP degree and neither".
 """

@@ -1,4 +1,4 @@
-"""The swap option: a coarse ``StepTrace`` of one pipeline stage of one rank, handed to the policy generator.
+"""The swap option: a coarse ``StepTrace`` of one pipeline stage of one rank, and the swap estimate on it.
 
 Per micro-batch in flight the trace has one forward op and one backward op per layer, in the stage's
 1F1B (or interleaved) order. Each layer's forward writes the layer's saved activations (the cost model's
@@ -37,7 +37,7 @@ EXTRA_SIMULATED_MICRO_BATCHES = 4  # beyond those in flight; enough to reach the
 
 
 class StageInfeasibility(enum.StrEnum):
-    """Why a stage cannot fit before the policy generator is even run (the generator's own causes are
+    """Why a stage cannot fit before the swap estimate is even run (the estimate's own causes are
     ``Infeasibility``)."""
 
     STATIC_ABOVE_DEVICE = "static_above_device"  # model state, workspace and transients alone exceed the device
