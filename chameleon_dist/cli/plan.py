@@ -252,3 +252,7 @@ def _machine(args: argparse.Namespace):
     devices = cluster.world_size if args.devices is None else args.devices
     cluster.check_devices(devices)
     return cluster, cluster.device_profile(), devices
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
