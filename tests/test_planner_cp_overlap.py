@@ -16,7 +16,6 @@ from chameleon_dist.planner.timing import (
     COMPONENTS,
     cp_comm_times,
     dp_comm_parts,
-    layer_flops,
     layer_times,
     megatron_bucket_params,
     stage_timing,
