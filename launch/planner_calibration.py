@@ -152,10 +152,9 @@ def predictions(case: Case, result: dict, preset: str, budgets: list[int], hardw
 
 def preset_hardware(preset: str):
     from chameleon_dist.device.presets import get_preset
-    from chameleon_dist.planner.single_device import hardware_from_preset
-    from launch.scale_report import PREDICTION_EFFICIENCY
+    from launch.scale_report import prediction_hardware
 
-    return hardware_from_preset(get_preset(preset), efficiency=PREDICTION_EFFICIENCY)
+    return prediction_hardware(get_preset(preset))
 
 
 def compare_rows(case: Case, preset: str, result: dict, calibrations: dict, swap_budgets: tuple[float, ...]) -> list:

@@ -20,6 +20,13 @@ TIME_TOLERANCE, PEAK_TOLERANCE = 0.10, 0.03
 PAPER_SPEEDUP = 0.3894  # arXiv 2509.11076: "up to 38.94%" faster than recomputation or high-degree parallelism
 
 
+def prediction_hardware(preset_figures):
+    """The one-device profile the planner predicts an emulated preset with (at ``PREDICTION_EFFICIENCY``)."""
+    from chameleon_dist.planner.single_device import hardware_from_preset
+
+    return hardware_from_preset(preset_figures, efficiency=PREDICTION_EFFICIENCY)
+
+
 def planner_predictions(case, args, reference, budgets: list[int], hardware=None) -> dict:
     """``(variant, budget_bytes) -> {"iteration_s", "peak_bytes", "fits", "time_error", "peak_error"}`` from the
     planner for one device. The planner's peak counts a full mixed-precision model state (weights, fp32 gradients,
@@ -29,10 +36,10 @@ def planner_predictions(case, args, reference, budgets: list[int], hardware=None
     profile to predict with (None: the preset's at ``PREDICTION_EFFICIENCY``; ``launch/planner_calibration.py``
     passes a calibrated one); ``optimizer_s`` is the planner's optimizer term inside ``iteration_s``."""
     from chameleon_dist.planner.profiles import load_model
-    from chameleon_dist.planner.single_device import hardware_from_preset, predict_single_device
+    from chameleon_dist.planner.single_device import predict_single_device
 
     if hardware is None:
-        hardware = hardware_from_preset(args.preset_figures, efficiency=PREDICTION_EFFICIENCY)
+        hardware = prediction_hardware(args.preset_figures)
     common = dict(seq_length=args.seq_length, micro_batch_size=1, micro_batches=args.micro_batches,
                   num_layers=case.num_layers, pre_process=case.pre_process, post_process=case.post_process)
     profile = load_model(case.profile)

@@ -172,13 +172,12 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{kind} profiles: {', '.join(shipped_names(kind))}")
         return 0
     if args.reproduce:
-        from chameleon_dist.planner.reproduce import PAPER_SCENARIOS, markdown, run_scenario
+        from chameleon_dist.planner.reproduce import markdown, reproduce
 
-        results = []
-        for index, scenario in enumerate(PAPER_SCENARIOS, 1):
-            print(f"chameleon-plan: reproduction {index}/{len(PAPER_SCENARIOS)}: {scenario.label()}", file=sys.stderr)
-            results.append(run_scenario(scenario, ranges=True))
-        print(markdown(results))
+        def progress(index: int, count: int, scenario) -> None:
+            print(f"chameleon-plan: reproduction {index}/{count}: {scenario.label()}", file=sys.stderr)
+
+        print(markdown(reproduce(progress=progress)))
         return 0
     model = load_model(args.model)
     cluster, hardware, devices = _machine(args)
@@ -213,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
         from chameleon_dist.planner.sensitivity import sensitivity_of_search
 
         print(f"chameleon-plan: sweeping {len(hardware.assumed)} assumed inputs of {hardware.name}", file=sys.stderr)
-        ranges = sensitivity_of_search(model, hardware, setup, devices, space, cluster=cluster)
+        ranges = sensitivity_of_search(model, hardware, setup, devices, space, cluster=cluster, result=result)
     if args.json:
         data = tables.result_dict(result)
         if ranges is not None:

@@ -10,7 +10,6 @@ planner prices a layout with it as with any hardware profile.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Literal
 
@@ -20,14 +19,12 @@ from chameleon_dist.config import ConfigError
 from chameleon_dist.planner.profiles import (
     CLUSTER_KIND,
     CLUSTERS_DIR,
-    HARDWARE_KIND,
     Bytes,
     BytesPerS,
     HardwareProfile,
     _load_named,
     _Profile,
     load_hardware,
-    shipped_names,
 )
 
 PROFILE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -56,14 +53,14 @@ class ClusterProfile(_Profile):
 
     def accelerator(self) -> HardwareProfile:
         """The hardware profile as shipped (or as its file says), before the cluster's node values."""
-        name = self.hardware
-        if Path(name).suffix.lower() not in PROFILE_SUFFIXES and name not in shipped_names(HARDWARE_KIND):
-            names = shipped_names(HARDWARE_KIND)
-            close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError([f"hardware: no hardware profile {name!r}; {hint}shipped: {', '.join(names)}, or a "
-                               "path to a .yaml file (relative to the cluster file)"], source=f"cluster {self.name}")
-        return load_hardware(name)
+        try:
+            return load_hardware(self.hardware)
+        except ConfigError as exc:
+            if exc.source is not None:  # the profile file's own problems, with its path
+                raise
+            # no such shipped profile: the loader's words, for this file's field
+            problems = [f"hardware: {p.removeprefix('--hardware: ')} (relative to the cluster file)" for p in exc.problems]
+            raise ConfigError(problems, source=f"cluster {self.name}") from None
 
     def device_profile(self) -> HardwareProfile:
         """The accelerator with this cluster's devices per node, bus bandwidths, host link and host RAM. The

@@ -77,7 +77,7 @@ class LayerRates:
 
 
 def tokens_per_rank(setup: TrainingSetup, layout: Layout) -> float:
-    return setup.seq_length * layout.micro_batch / getattr(layout, "cp", 1)
+    return setup.seq_length * layout.micro_batch / layout.cp
 
 
 def _rate(groups: list[GemmGroup], hardware: HardwareProfile, tp: int) -> float:

@@ -28,12 +28,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
-import numpy as np
-
 from chameleon_dist.planner.layout import Layout
 from chameleon_dist.planner.memory import stage_memory
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
-from chameleon_dist.policy.model import Decision, Policy
 
 GB = 1e9
 
@@ -47,24 +44,9 @@ class _Estimate(Protocol):
 E = TypeVar("E", bound=_Estimate)
 
 
-def host_resident_bytes(policy: Policy | None) -> int:
-    """The most swapped bytes ``policy`` keeps in host memory at once (0 without a policy)."""
-    if policy is None:
-        return 0
-    delta = np.zeros(policy.num_ops + 2, dtype=np.int64)
-    for entry in policy.entries:
-        if entry.decision != Decision.SWAP:
-            continue
-        lo, hi = entry.last_forward_use + 1, entry.first_backward_use
-        if hi > lo:
-            delta[lo] += entry.nbytes
-            delta[hi] -= entry.nbytes
-    return int(np.cumsum(delta).max(initial=0))
-
-
 def ranks_per_stage(layout: Layout) -> int:
     """Ranks of one pipeline stage: TP x CP x DP (CP: context parallelism, 1 where the layout has none)."""
-    return layout.tp * getattr(layout, "cp", 1) * layout.dp
+    return layout.tp * layout.cp * layout.dp
 
 
 def node_stage_ranks(layout: Layout, devices_per_node: int) -> list[dict[int, int]]:
@@ -93,11 +75,6 @@ def stage_host_budget_bytes(hardware: HardwareProfile, layout: Layout, stage: in
     shares = [node_budget_bytes(hardware, sum(counts.values())) // counts[stage]
               for counts in node_stage_ranks(layout, hardware.devices_per_node) if stage in counts]
     return min(shares)
-
-
-def equal_host_budget_bytes(hardware: HardwareProfile) -> int:
-    """The node's budget split evenly over its devices (every rank the same share, whatever its stage)."""
-    return hardware.host_swap_budget_bytes()
 
 
 def host_source(model: ModelProfile, setup: TrainingSetup, layout: Layout, estimated: set[int],
@@ -196,7 +173,7 @@ def fit_host_memory(hardware: HardwareProfile, layout: Layout, stages: Sequence[
         nodes = use(found)
         if fits(found, nodes):
             return found, nodes
-    equal = equal_host_budget_bytes(hardware)
+    equal = hardware.host_swap_budget_bytes()  # the node's budget split evenly over its devices
     if any(budget > equal for budget in budgets.values()):
         found = {stage: run(stage, equal) for stage in stages}
         nodes = use(found)
@@ -247,6 +224,6 @@ def host_budget_words(hardware: HardwareProfile, layout: Layout, stage: int, hos
             f"{hardware.host_swap_fraction:g} {owner}) over the {ranks} ranks of stage {stage} on a node")
 
 
-__all__ = ["NodeHostUse", "equal_host_budget_bytes", "fit_host_memory", "host_resident_bytes", "host_source",
+__all__ = ["NodeHostUse", "fit_host_memory", "host_source",
            "node_budget_bytes", "node_host_use", "node_stage_ranks", "overflow_reason", "host_budget_words",
            "ranks_per_stage", "stage_host_budget_bytes"]

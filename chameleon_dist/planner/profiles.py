@@ -42,17 +42,19 @@ DEFAULT_MEMORY_MARGIN = 0.05  # of usable device memory; why 5%: docs/planner.md
 CLUSTER_KIND = "cluster"
 
 
-def _size(per_second: bool):
-    def validate(value: Any) -> Any:
-        if isinstance(value, str):
-            try:
-                return parse_size_bytes(value, per_second=per_second)
-            except SizeError as exc:
-                unit = 'a rate like "25GB/s"' if per_second else 'a size like "64GB"'
-                raise ValueError(f"{exc}; use bytes{' per second' if per_second else ''} or {unit}") from None
-        return value
+def _parse_size(value: Any, per_second: bool) -> Any:
+    """A size (or rate) string as bytes (per second); other values as they are."""
+    if isinstance(value, str):
+        try:
+            return parse_size_bytes(value, per_second=per_second)
+        except SizeError as exc:
+            unit = 'a rate like "25GB/s"' if per_second else 'a size like "64GB"'
+            raise ValueError(f"{exc}; use bytes{' per second' if per_second else ''} or {unit}") from None
+    return value
 
-    return BeforeValidator(validate)
+
+def _size(per_second: bool):
+    return BeforeValidator(lambda value: _parse_size(value, per_second))
 
 
 Bytes = Annotated[int, _size(False), Field(gt=0)]
@@ -192,6 +194,16 @@ class HardwareProfile(_Profile):
     # Inputs with no source at hand: field -> (low, high), a plausible range around the profile's value, over
     # which ``chameleon-plan --sensitivity`` and the reproduction report their speedups.
     assumed: dict[str, tuple[float, float]] = Field(default_factory=dict)
+    # Megatron's communication-overlap switches as this cluster runs them (None: Megatron's default,
+    # MEGATRON_OVERLAP_DEFAULTS); the CLI's --[no-]overlap-... flags override them.
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
+    tp_comm_overlap: bool | None = None
+    overlap_p2p_comm: bool | None = None
+    # compute-model calibration (``planner/calibration.py`` sets these from measured layer and head times)
+    backward_to_forward: float = Field(2.0, gt=0)  # a layer's backward time over its forward time
+    head_flops_per_s: float | None = Field(None, gt=0)  # the output layer's rate; None: the layers' effective rate
+    head_backward_to_forward: float = Field(2.0, gt=0)  # the output layer's backward over its forward
 
     @model_validator(mode="before")
     @classmethod
@@ -206,25 +218,11 @@ class HardwareProfile(_Profile):
                                  f"{', '.join(ASSUMABLE_INPUTS)}")
             if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2):
                 raise ValueError(f"assumed.{name}: give [low, high], got {bounds!r}")
-            per_second = name.endswith("_per_s")
-            parsed = []
-            for bound in bounds:
-                try:
-                    parsed.append(parse_size_bytes(bound, per_second=per_second) if isinstance(bound, str) else bound)
-                except SizeError as exc:
-                    raise ValueError(f"assumed.{name}: {exc}") from None
-            ranges[name] = tuple(parsed)
+            try:
+                ranges[name] = tuple(_parse_size(bound, name.endswith("_per_s")) for bound in bounds)
+            except ValueError as exc:
+                raise ValueError(f"assumed.{name}: {exc}") from None
         return {**data, "assumed": ranges}
-    # Megatron's communication-overlap switches as this cluster runs them (None: Megatron's default,
-    # MEGATRON_OVERLAP_DEFAULTS); the CLI's --[no-]overlap-... flags override them.
-    overlap_grad_reduce: bool | None = None
-    overlap_param_gather: bool | None = None
-    tp_comm_overlap: bool | None = None
-    overlap_p2p_comm: bool | None = None
-    # compute-model calibration (``planner/calibration.py`` sets these from measured layer and head times)
-    backward_to_forward: float = Field(2.0, gt=0)  # a layer's backward time over its forward time
-    head_flops_per_s: float | None = Field(None, gt=0)  # the output layer's rate; None: the layers' effective rate
-    head_backward_to_forward: float = Field(2.0, gt=0)  # the output layer's backward over its forward
 
     @model_validator(mode="before")
     @classmethod

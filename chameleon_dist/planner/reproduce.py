@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup, load_hardware, load_model
@@ -20,7 +20,7 @@ from chameleon_dist.planner.sensitivity import (
     AssumedInput,
     FigureRange,
     assumed_inputs,
-    format_input,
+    describe_ranges,
     sweep,
     with_inputs,
 )
@@ -79,7 +79,7 @@ class FixedComparison:
 
     @property
     def swaps(self) -> bool:
-        return self.chameleon is not None and self.chameleon.layout.swap and self.chameleon.swapped_bytes > 0
+        return self.chameleon is not None and self.chameleon.swaps
 
 
 @dataclasses.dataclass
@@ -115,11 +115,13 @@ def fixed_comparisons(scenario: Scenario, result: SearchResult) -> list[FixedCom
     chameleon = comparison[Approach.SWAP]
     tp = high_tp(scenario, model, hardware)
 
-    def best(space: SearchSpace) -> Plan | None:
+    def best(space: SearchSpace, wanted=lambda plan: True) -> Plan | None:
+        """The fastest plan of ``space`` that fits and is ``wanted`` (None: none, or no layout at all)."""
         try:
-            return search(model, hardware, setup, scenario.devices, space).best
+            found = search(model, hardware, setup, scenario.devices, space)
         except ValueError:
             return None
+        return next((p for p in found.plans if p.feasible and wanted(p)), None)
 
     tp_high = best(SearchSpace(tp=(tp,), recompute=(RecomputeMode.NONE,), swap=(False,)))
     tp_one = best(SearchSpace(tp=(1,), recompute=(RecomputeMode.NONE,)))
@@ -130,11 +132,8 @@ def fixed_comparisons(scenario: Scenario, result: SearchResult) -> list[FixedCom
         plan = evaluate(model, hardware, setup, twin)
         full_twin = plan if plan.feasible else None
         same_layout = swapping
-    try:
-        full = search(model, hardware, setup, scenario.devices, SearchSpace(recompute=(RecomputeMode.FULL,), swap=(False,)))
-        high_full = next((p for p in full.plans if p.feasible and p.layout.tp * p.layout.pp >= tp), None)
-    except ValueError:
-        high_full = None
+    high_full = best(SearchSpace(recompute=(RecomputeMode.FULL,), swap=(False,)),
+                     lambda plan: plan.layout.tp * plan.layout.pp >= tp)
     return [
         FixedComparison(f"TP{tp} -> TP1 with swap", f"best TP{tp} plan, no recomputation, no swap",
                         SMARTSWAP_TP8_TO_TP1, "SmartSwap", tp_high, tp_one),
@@ -173,13 +172,13 @@ def _figures(scenario: Scenario, model: ModelProfile, hardware: HardwareProfile,
 
 def run_scenario(scenario: Scenario, ranges: bool = False) -> ScenarioResult:
     """The scenario's search and comparisons; with ``ranges``, each speedup also as a range over the assumed
-    inputs (``sensitivity.sweep``: about 2 x inputs + 7 more searches)."""
+    inputs (``sensitivity.sweep``: two scenario runs per input and up to two corners per figure)."""
     model, hardware = load_model(scenario.model), load_hardware(scenario.hardware)
-    result, fixed, _ = _figures(scenario, model, hardware, {})
+    result, fixed, figures = _figures(scenario, model, hardware, {})
     out = ScenarioResult(scenario, result, fixed)
     if ranges:
         out.ranges = sweep(lambda overrides: _figures(scenario, model, hardware, overrides)[2],
-                           scenario_inputs(scenario, hardware))
+                           scenario_inputs(scenario, hardware), base=figures)
         for f in fixed:
             f.spread = out.ranges.get(f.name)
     return out
@@ -196,13 +195,13 @@ def _plan(plan: Plan | None) -> str:
 def _chameleon(plan: Plan | None) -> str:
     if plan is None:
         return "none fits"
-    if not (plan.layout.swap and plan.swapped_bytes > 0):
+    if not plan.swaps:
         return f"no swap needed: {_plan(plan)}"
     return _plan(plan)
 
 
 def _swap(plan: Plan | None) -> str:
-    if plan is None or not (plan.layout.swap and plan.swapped_bytes > 0):
+    if plan is None or not plan.swaps:
         return "-"
     return f"{plan.swapped_bytes / 1e9:.0f} GB, stall {plan.time.stall:.2f} s"
 
@@ -262,16 +261,20 @@ def markdown(results: list[ScenarioResult]) -> str:
                 f"| {_verdict(f)} |")
     if any(r.ranges for r in results):
         lines += ["", "Assumed inputs swept: " + "; ".join(
-            f"{r.scenario.hardware}: " + ", ".join(f"{i.name} {format_input(i.name, i.low)} to {format_input(i.name, i.high)}"
-                                                   for i in scenario_inputs(r.scenario, r.result.hardware))
+            f"{r.scenario.hardware}: " + describe_ranges(scenario_inputs(r.scenario, r.result.hardware))
             for r in _one_per_hardware(results)) + " (the global batch scales with the devices: 2-32 per device)."]
     return "\n".join(lines)
 
 
-def reproduce(scenarios: tuple[Scenario, ...] = PAPER_SCENARIOS, ranges: bool = True) -> list[ScenarioResult]:
+def reproduce(scenarios: tuple[Scenario, ...] = PAPER_SCENARIOS, ranges: bool = True,
+              progress: Callable[[int, int, Scenario], None] | None = None) -> list[ScenarioResult]:
+    """Every scenario's result; ``progress(index, count, scenario)`` before each (default: one log line)."""
     out = []
-    for scenario in scenarios:
-        logger.info("reproduction: %s", scenario.label())
+    for index, scenario in enumerate(scenarios, 1):
+        if progress is None:
+            logger.info("reproduction %d/%d: %s", index, len(scenarios), scenario.label())
+        else:
+            progress(index, len(scenarios), scenario)
         out.append(run_scenario(scenario, ranges=ranges))
     return out
 

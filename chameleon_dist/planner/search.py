@@ -85,12 +85,17 @@ class Plan:
     tokens_per_iteration: int = 0
     model_flops: float = 0.0
     budget_bytes: int = 0  # what the plan may fill: usable memory less the memory margin
+    host_nodes: list[NodeHostUse] = dataclasses.field(default_factory=list)  # swap plans: host RAM per node
 
     @property
     def free_bytes(self) -> int:
         """Usable device memory the plan leaves free at its peak (the margin included)."""
         return self.usable_bytes - self.peak_bytes
-    host_nodes: list[NodeHostUse] = dataclasses.field(default_factory=list)  # swap plans: host RAM per node
+
+    @property
+    def swaps(self) -> bool:
+        """The plan moves activations to the host (a swap layout that fits without swapping moves none)."""
+        return self.layout.swap and self.swapped_bytes > 0
 
     @property
     def feasible(self) -> bool:
@@ -377,7 +382,7 @@ def departures(layout: Layout) -> list[str]:
         out.append("swap")
     if layout.recompute != RecomputeMode.NONE:
         out.append("recomputation")
-    if getattr(layout, "cp", 1) > 1:
+    if layout.cp > 1:
         out.append("context parallelism")
     if layout.pp > 1:
         out.append("pipeline")

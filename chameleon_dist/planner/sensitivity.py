@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
-from chameleon_dist.planner.search import search
+from chameleon_dist.planner.search import SearchResult, search
 from chameleon_dist.planner.space import SearchSpace
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,11 @@ def with_inputs(hardware: HardwareProfile, overrides: Overrides) -> HardwareProf
     return hardware.model_copy(update=fields) if fields else hardware
 
 
-def sweep(evaluate: Callable[[Overrides], Figures], inputs: list[AssumedInput]) -> dict[str, FigureRange]:
-    """Every figure ``evaluate`` returns, as a range over ``inputs`` (see the module docstring)."""
-    base = dict(evaluate({}))
+def sweep(evaluate: Callable[[Overrides], Figures], inputs: list[AssumedInput],
+          base: Figures | None = None) -> dict[str, FigureRange]:
+    """Every figure ``evaluate`` returns, as a range over ``inputs`` (see the module docstring). ``base``: the
+    figures at the profile's values when the caller has them already (else ``evaluate({})``)."""
+    base = dict(evaluate({}) if base is None else base)
     seen: dict[str, list[tuple[float, dict[str, float]]]] = {k: [] for k in base}
     moved: dict[str, dict[str, tuple[float, float]]] = {k: {} for k in base}  # figure -> input -> (at low, at high)
 
@@ -133,21 +135,27 @@ class SearchSensitivity:
 
 
 def sensitivity_of_search(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, world_size: int,
-                          space: SearchSpace, cluster: Any = None) -> SearchSensitivity:
-    """Re-run the search over ``hardware``'s assumed inputs (``sweep``; ``cluster``: as ``search`` takes it)."""
+                          space: SearchSpace, cluster: Any = None, result: SearchResult | None = None
+                          ) -> SearchSensitivity:
+    """Re-run the search over ``hardware``'s assumed inputs (``sweep``; ``cluster``: as ``search`` takes it;
+    ``result``: the search at the profile's values, when the caller has run it)."""
     best_plans: dict[str, list[dict[str, float]]] = {}
 
-    def evaluate(overrides: Overrides) -> Figures:
-        result = search(model, with_inputs(hardware, overrides), setup, world_size, space, cluster=cluster)
-        comparison = result.comparison()
+    def figures_of(found: SearchResult, overrides: Overrides) -> Figures:
+        comparison = found.comparison()
         figures: dict[str, float | None] = {words: comparison[key] for key, words in SEARCH_FIGURES}
-        figures[BEST_TIME] = None if result.best is None else result.best.iteration_s
-        name = "no plan fits" if result.best is None else result.best.layout.describe()
+        figures[BEST_TIME] = None if found.best is None else found.best.iteration_s
+        name = "no plan fits" if found.best is None else found.best.layout.describe()
         best_plans.setdefault(name, []).append(dict(overrides))
         return figures
 
+    def evaluate(overrides: Overrides) -> Figures:
+        found = search(model, with_inputs(hardware, overrides), setup, world_size, space, cluster=cluster)
+        return figures_of(found, overrides)
+
     inputs = assumed_inputs(hardware)
-    return SearchSensitivity(hardware.name, inputs, sweep(evaluate, inputs), best_plans)
+    base = None if result is None else figures_of(result, {})
+    return SearchSensitivity(hardware.name, inputs, sweep(evaluate, inputs, base), best_plans)
 
 
 def format_input(name: str, value: float) -> str:
@@ -163,5 +171,10 @@ def describe_inputs(at: Mapping[str, float]) -> str:
     return ", ".join(f"{k} {format_input(k, v)}" for k, v in at.items()) or "the profile's values"
 
 
+def describe_ranges(inputs: list[AssumedInput]) -> str:
+    """``name low to high`` for each input, in its units."""
+    return ", ".join(f"{i.name} {format_input(i.name, i.low)} to {format_input(i.name, i.high)}" for i in inputs)
+
+
 __all__ = ["BEST_TIME", "SEARCH_FIGURES", "AssumedInput", "FigureRange", "SearchSensitivity", "assumed_inputs",
-           "describe_inputs", "format_input", "sensitivity_of_search", "sweep", "with_inputs"]
+           "describe_inputs", "describe_ranges", "format_input", "sensitivity_of_search", "sweep", "with_inputs"]

@@ -33,7 +33,7 @@ from chameleon_dist.trace.step_trace import BACKWARD, FORWARD, OpRecord, StepTra
 logger = logging.getLogger(__name__)
 
 OP_NAMES = ("layer_forward", "layer_backward", "head_forward", "head_backward")
-EXTRA_SIMULATED_MICRO_BATCHES = 4  # beyond those in flight; enough to reach the steady state twice
+EXTRA_SIMULATED_MICRO_BATCHES = 4  # beyond those in flight; enough to reach the steady state
 
 
 class StageInfeasibility(enum.StrEnum):
@@ -151,17 +151,12 @@ def storage_parts(tensors: tuple[SavedTensor, ...], skip_core: bool = False) -> 
     return big + ((small,) if small else ())
 
 
-def _simulated_counts(layout: Layout, stage: int, num_micro_batches: int) -> list[int]:
-    """Micro-batch counts to simulate: all of them, or two short runs past the steady state."""
+def _simulated_count(layout: Layout, stage: int, num_micro_batches: int) -> int:
+    """Micro-batches to simulate: all of them, or a short run past the steady state (a multiple of PP
+    under interleaving)."""
     step = layout.pp if layout.vpp > 1 else 1
     in_flight = -(-in_flight_chunks(stage, layout.pp, layout.vpp, num_micro_batches) // layout.vpp)
-    high = -(-(in_flight + EXTRA_SIMULATED_MICRO_BATCHES) // step) * step
-    if high >= num_micro_batches:
-        return [num_micro_batches]
-    low = high - 2 * step
-    if low <= in_flight:
-        low = high - step
-    return [low, high] if low > in_flight else [high]
+    return min(num_micro_batches, -(-(in_flight + EXTRA_SIMULATED_MICRO_BATCHES) // step) * step)
 
 
 def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout,
@@ -178,7 +173,7 @@ def estimate_swap(model: ModelProfile, hardware: HardwareProfile, setup: Trainin
     acts = layer_activations(model, setup, layout.tp, layout.micro_batch, layout.recompute, cp=layout.cp)
     layer_parts = storage_parts(acts.tensors, skip_core=layout.recompute == RecomputeMode.SELECTIVE)
     head_parts = storage_parts(head_activations(model, setup, layout.tp, layout.micro_batch, cp=layout.cp))
-    count = _simulated_counts(layout, memory.stage, m)[-1]
+    count = _simulated_count(layout, memory.stage, m)
     trace, times = build_stage_trace(memory, timing, layout, count, last, layer_parts, head_parts)
     host_budget = hardware.host_swap_budget_bytes() if host_budget_bytes is None else host_budget_bytes
     verdict = estimate_prefix(trace, times, budget, hardware.d2h_bytes_per_s, hardware.swap_h2d_bytes_per_s,

@@ -6,7 +6,7 @@ import dataclasses
 import textwrap
 
 from chameleon_dist.planner.search import FEASIBLE, OUT_OF_MEMORY, PRUNED, TIE_FRACTION, Plan, SearchResult, preferences
-from chameleon_dist.planner.sensitivity import BEST_TIME, SearchSensitivity, describe_inputs, format_input
+from chameleon_dist.planner.sensitivity import BEST_TIME, SearchSensitivity, describe_inputs, describe_ranges
 from chameleon_dist.planner.timing import COMPONENTS
 
 GB = 1e9
@@ -171,8 +171,7 @@ def sensitivity_text(sensitivity: SearchSensitivity) -> str:
     that are best somewhere in the ranges."""
     if not sensitivity.inputs:
         return f"sensitivity: {sensitivity.hardware} marks no input as assumed (its `assumed:` block): nothing to sweep"
-    inputs = ", ".join(f"{i.name} {format_input(i.name, i.low)} to {format_input(i.name, i.high)}"
-                       for i in sensitivity.inputs)
+    inputs = describe_ranges(sensitivity.inputs)
     rows = []
     for name, spread in sensitivity.ranges.items():
         percent = name != BEST_TIME

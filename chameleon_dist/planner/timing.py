@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from chameleon_dist.planner.efficiency import layer_rates
+from chameleon_dist.planner.efficiency import LayerRates, layer_rates
 from chameleon_dist.planner.layout import Layout, RecomputeMode
 from chameleon_dist.planner.memory import stage_layers, stage_params
 from chameleon_dist.planner.profiles import HardwareProfile, ModelProfile, TrainingSetup
@@ -147,9 +147,11 @@ class LayerTimes:
         return self.backward_s + self.recompute_s + self._comm_s - self._forward_comm_s
 
 
-def layer_times(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> LayerTimes:
+def layer_times(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout,
+                rates: LayerRates | None = None) -> LayerTimes:
+    """``rates``: ``efficiency.layer_rates`` of the layout, when the caller has them."""
     flops = layer_flops(model, setup, layout.micro_batch)
-    rates = layer_rates(model, hardware, setup, layout)
+    rates = rates or layer_rates(model, hardware, setup, layout)
     rate = rates.layer_flops_per_s
     forward = flops.forward_flops / rate
     per_chunk = stage_layers(model, layout) // layout.vpp
@@ -158,23 +160,28 @@ def layer_times(model: ModelProfile, hardware: HardwareProfile, setup: TrainingS
     recompute = flops.core_flops / rates.core_flops_per_s if selective else share * forward
 
     forward, recompute = forward / layout.cp, recompute / layout.cp  # a CP rank computes s / cp tokens
-    hidden_bytes = setup.seq_length * layout.micro_batch * model.hidden_size * setup.activation_bytes / layout.cp
+    hidden_bytes = hidden_bytes_per_rank(model, setup, layout)
     tp_forward, tp_backward = tp_comm_times(model, hardware, setup, layout, rate * layout.cp)
     tp_backward += share * tp_forward  # the rebuilt forward communicates again
     cp_forward, cp_backward = cp_comm_times(model, hardware, setup, layout, rate * layout.cp)
-    rebuilt_core = 1.0 if layout.recompute == RecomputeMode.SELECTIVE else share  # the ring runs again
+    rebuilt_core = 1.0 if selective else share  # the ring runs again
     cp_backward += rebuilt_core * cp_forward
     ep = 0.0
     if model.is_moe and layout.ep > 1:
         routed = hidden_bytes * model.moe_router_topk / layout.tp
         ep = 4 * gather_or_scatter_s(routed, layout.ep, _bus(hardware, layout.ep * layout.cp * layout.tp))
-    return LayerTimes(forward, hardware.backward_to_forward * forward, recompute, tp_forward + tp_backward, ep, cp_forward + cp_backward,
-                      forward_comm_s=tp_forward + cp_forward + ep / 2)
+    return LayerTimes(forward, hardware.backward_to_forward * forward, recompute, tp_forward + tp_backward, ep,
+                      cp_forward + cp_backward, forward_comm_s=tp_forward + cp_forward + ep / 2)
+
+
+def hidden_bytes_per_rank(model: ModelProfile, setup: TrainingSetup, layout: Layout) -> float:
+    """One micro-batch's hidden activation on a CP rank (``s / cp`` tokens), the unit TP, EP and PP move."""
+    return setup.seq_length * layout.micro_batch * model.hidden_size * setup.activation_bytes / layout.cp
 
 
 def tp_collective_s(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> float:
     """One all-gather (or reduce-scatter) of a layer's hidden activation (a CP rank's tokens) over TP."""
-    hidden_bytes = setup.seq_length * layout.micro_batch * model.hidden_size * setup.activation_bytes / layout.cp
+    hidden_bytes = hidden_bytes_per_rank(model, setup, layout)
     return gather_or_scatter_s(hidden_bytes, layout.tp, _bus(hardware, layout.tp))
 
 
@@ -278,12 +285,13 @@ class StageTiming:
 
 
 def stage_timing(model: ModelProfile, hardware: HardwareProfile, setup: TrainingSetup, layout: Layout) -> StageTiming:
+    rates = layer_rates(model, hardware, setup, layout)
     if hardware.head_flops_per_s:  # (a calibrated head has its own rate)
         head_rate = hardware.head_flops_per_s * layout.tp
     else:  # the output layer's GEMM at its per-rank shape (planner/efficiency.py)
-        head_rate = layer_rates(model, hardware, setup, layout).head_flops_per_s
+        head_rate = rates.head_flops_per_s
     head = head_flops(model, setup, layout.micro_batch) / head_rate
-    return StageTiming(layer_times(model, hardware, setup, layout), head / layout.cp,
+    return StageTiming(layer_times(model, hardware, setup, layout, rates), head / layout.cp,
                        hardware.head_backward_to_forward * head / layout.cp,
                        stage_layers(model, layout))
 
@@ -298,7 +306,7 @@ def iteration_time(model: ModelProfile, hardware: HardwareProfile, setup: Traini
     out = TimeBreakdown(**{name: m * value for name, value in parts.items()})
     out.bubble = (p - 1) / v * per_mb
     if p > 1:
-        hidden_bytes = setup.seq_length * layout.micro_batch * model.hidden_size * setup.activation_bytes / layout.cp
+        hidden_bytes = hidden_bytes_per_rank(model, setup, layout)
         if setup.sequence_parallel and layout.tp > 1:
             hidden_bytes /= layout.tp
         span = layout.tp * layout.cp * layout.dp * 2  # neighbouring stages are tp * cp * dp ranks apart
