@@ -127,3 +127,18 @@ def test_default_report_fits_120_columns(capsys):
     assert max(len(line) for line in out.splitlines()) <= 120
     words = " ".join(out.split())
     assert "why not the best" in words and "out of memory: stage 0 needs" in words
+
+
+def test_a_reader_that_stops_early_is_not_an_error():
+    """`chameleon-plan --json | head -1`: the reader closes the pipe long before the JSON ends; the command
+    exits 0 without a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    code = "import sys; from chameleon_dist.cli import plan; sys.exit(plan.main(['--json']))"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.readline()
+    process.stdout.close()  # (the JSON is far larger than the pipe's buffer: the writer meets a closed pipe)
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
