@@ -79,6 +79,7 @@ class _SideStreamStack(torch.nn.Module):
         compute = self.backend.current_stream()
         half = len(self.layers) // 2
         self.side.wait_stream(compute)
+        self.backend.record_stream(x, self.side)  # (made on the compute stream, read on the side stream)
         with self.backend.use_stream(self.side):
             for layer in self.layers[:half]:
                 x = torch.relu(layer(x))
@@ -108,10 +109,9 @@ def _side_stream_run(enabled: bool, steps: int, budget_bytes: int | None = None)
 
         def closure():
             loss = model(x)
-            # (on a GPU autograd runs a node's backward on its forward's stream; the emulation runs all of
-            # backward on the current stream, so the graph is kept until the side stream is ordered after it)
-            loss.backward(retain_graph=True)
-            side.wait_stream(backend.current_stream())
+            # (autograd runs the side half's backward on the side stream, as on a GPU: NOTE [Backward on its
+            # forward's stream] in device/simulated/engine.py; the program keeps no graph for it)
+            loss.backward()
             return loss.detach()
 
         losses.append(chameleon.run_iteration(closure, optimizer=optimizer))

@@ -38,10 +38,12 @@ from chameleon_dist.device.host_pool import HostBufferPool
 #     the whole forward pass on the device, and the detailed trace would take the device's hold for the
 #     program's, shrinking every candidate's window);
 #   * at ``release_completed_sources``, the copies whose done-event has fired (no waiting, no stall).
-#   No ``record_stream`` anywhere (the paper's "custom recordStream").
-# - The swap-in's device destination, allocated on the compute stream and written by the copy. A handle
-#   dropped before anyone ``wait``-ed on it makes the compute stream wait for its copy on the way out
-#   (``StreamCopyHandle.__del__``).
+#   No ``record_stream`` for any of this (the paper's "custom recordStream").
+# - The swap-in's device destination, allocated on the stream that reads it (the one current at the save,
+#   where autograd runs the saving node's backward: NOTE [Producer and reader streams] in ``producers.py``)
+#   and written by the copy. A handle dropped before anyone ``wait``-ed on it makes that stream wait for its
+#   copy on the way out (``StreamCopyHandle.__del__``). A second reader on another stream is ordered by
+#   ``wait`` and recorded there (``record_stream``: the one use, for a block two streams read).
 # - The host buffer in between. Callers give it back with ``release_host`` only after ``wait`` on the last
 #   copy that touches it (or once that copy is ``done()``); as ``wait`` does not block the host, the device
 #   keeps the buffer out of the pool until the done-event of its last copy has fired.
@@ -194,17 +196,23 @@ class Device(Protocol):
 
     def copy_to_host(self, storage: torch.UntypedStorage, stream: object | None = None) -> CopyHandle | None:
         """Start copying ``storage`` to a host buffer after the work queued so far on ``stream`` (the
-        producer's, from ``current_stream`` at the save; default: the current stream); ``None`` when the host
+        producer's, from ``producer_stream`` at the save; default: the current stream); ``None`` when the host
         budget has no room.
 
         The device holds ``storage`` from now on; the caller drops its own references right away (see
         NOTE [Release after copy])."""
         ...
 
-    def copy_to_device(self, host: torch.Tensor, after: CopyHandle | None = None) -> CopyHandle:
-        """Allocate device memory for ``host`` (may raise ``torch.OutOfMemoryError``) and start the copy,
-        on the link, after ``after`` (the swap-out that filled ``host``) without blocking the training
-        stream on it."""
+    def copy_to_device(self, host: torch.Tensor, after: CopyHandle | None = None,
+                       stream: object | None = None) -> CopyHandle:
+        """Allocate device memory for ``host`` on ``stream``, the stream that will read it (the one current at
+        the save; default: the current stream; may raise ``torch.OutOfMemoryError``) and start the copy, on
+        the link, after ``after`` (the swap-out that filled ``host``) without blocking the training stream."""
+        ...
+
+    def producer_stream(self, tensor: torch.Tensor) -> object:
+        """The stream that made ``tensor``'s storage and owns its block (NOTE [Producer and reader streams] in
+        ``device/producers.py``)."""
         ...
 
     def wait(self, handle: CopyHandle) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chameleon_dist.device.base import PressureHandler
+from chameleon_dist.device.producers import ProducerStreams
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -49,19 +50,32 @@ class DeviceDispatch(TorchDispatchMode):
         self.relieving = False
         self.relieved_ops = 0  # ops that ran out of memory, were relieved and ran again
         self.relief_freed_bytes = 0
+        self.producers = ProducerStreams()  # NOTE [Producer and reader streams] in producers.py
+
+    def __enter__(self):
+        self.producers.begin(self.backend.current_stream())
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.producers.end()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         backend = self.backend
         try:
-            return backend.run_op(func, args, kwargs)
+            out = backend.run_op(func, args, kwargs)
+            self.producers.note(out, backend.current_stream())
+            return out
         except torch.OutOfMemoryError as error:
             if self.handler is None or self.relieving or backend.is_capturing() or not retryable(func):
                 raise
             short_bytes = backend.short_bytes(error, func, args, kwargs)
         self.relieve(short_bytes, str(func))  # outside the except block: NOTE [Relief inside the op]
         self.relieved_ops += 1
-        return backend.run_op(func, args, kwargs)
+        out = backend.run_op(func, args, kwargs)
+        self.producers.note(out, backend.current_stream())
+        return out
 
     def relieve(self, short_bytes: int, what: str) -> int:
         """Ask the pressure handler for ``short_bytes``; its own ops never re-enter relief."""

@@ -38,14 +38,16 @@ class StreamCopyHandle:
     been ordered after the copy. A handle dropped while still guarded (e.g. a prefetch never waited on)
     makes the stream wait for its copy on the way out (NOTE [Release after copy] in ``device/base.py``)."""
 
-    __slots__ = ("nbytes", "result", "event", "source", "guard", "__weakref__")
+    __slots__ = ("nbytes", "result", "event", "source", "guard", "home", "__weakref__")
 
-    def __init__(self, result: torch.Tensor, event, guard, source: torch.UntypedStorage | None = None) -> None:
+    def __init__(self, result: torch.Tensor, event, guard, source: torch.UntypedStorage | None = None,
+                 home=None) -> None:
         self.nbytes = result.numel()
         self.result = result
         self.event = event
         self.guard = guard
         self.source = source  # swap-outs only: the device storage being read
+        self.home = home  # swap-ins only: the stream the destination was allocated on (its reader's)
 
     def done(self) -> bool:
         return self.event.query()
@@ -200,6 +202,11 @@ class StreamDevice:
         """The stream work is queued on now (a saved tensor's producer: recorded at the save)."""
         return self.backend.current_stream()
 
+    def producer_stream(self, tensor: torch.Tensor):
+        """The stream that made ``tensor``'s storage, whose pool its block goes back to (NOTE [Producer and
+        reader streams] in ``device/producers.py``); the current one for a storage made outside an iteration."""
+        return self.dispatch.producers.stream_of(tensor.untyped_storage(), self.backend.current_stream())
+
     def is_capturing(self) -> bool:
         """A CUDA graph is being captured (the backend's ``is_capturing``): nothing may be queued then."""
         return self.backend.is_capturing()
@@ -227,13 +234,19 @@ class StreamDevice:
         self._held_sources.append(handle)
         return handle
 
-    def copy_to_device(self, host: torch.Tensor, after: StreamCopyHandle | None = None) -> StreamCopyHandle:
-        """The destination is allocated on (and freed back to) the current stream, written on the H2D
-        stream; the current stream reads it only after ``wait`` (or the handle's guard) orders it."""
+    def copy_to_device(self, host: torch.Tensor, after: StreamCopyHandle | None = None,
+                       stream=None) -> StreamCopyHandle:
+        """The destination is allocated on (and freed back to) ``stream``, the stream that will read it (a
+        saved tensor's: recorded at the save, which is where autograd runs its node's backward; default the
+        current one), and written on the H2D stream; the reader uses it only after ``wait`` (or the handle's
+        guard) orders it. A prefetch runs while another node is current, on whatever stream that node runs:
+        allocating there would hand the block back to that stream's pool while its reader still reads it (NOTE
+        [Backward on its forward's stream] in ``device/simulated/engine.py``)."""
         backend = self.backend
-        compute = backend.current_stream()
-        destination = self._allocate_device_bytes(host.numel())
-        self._h2d_stream.wait_stream(compute)  # the allocation (a possibly reused block) comes first
+        reader = stream if stream is not None else backend.current_stream()
+        with backend.use_stream(reader):
+            destination = self._allocate_device_bytes(host.numel())
+        self._h2d_stream.wait_stream(reader)  # the allocation (a possibly reused block) comes first
         previous = after.event if after is not None else None
         if previous is None and host.numel():
             previous = self._host_last_copy.get(host_key(host))
@@ -244,15 +257,20 @@ class StreamDevice:
         done = backend.new_event()
         done.record(self._h2d_stream)
         self._note_host_copy(host, done)
-        return StreamCopyHandle(destination, done, guard=compute)
+        return StreamCopyHandle(destination, done, guard=reader, home=reader)
 
     def wait(self, handle: StreamCopyHandle) -> torch.Tensor:
-        """Order the current stream after the copy on the device (the host does not block)."""
+        """Order the current stream after the copy on the device (the host does not block). A swap-in read on
+        another stream than the one it was allocated on (a storage saved by nodes on two streams) is recorded
+        on the reading stream, so its block is not reused under that read: the only ``record_stream`` the
+        runtime makes, for a case the allocation cannot serve."""
         stream = self.backend.current_stream()
         if not handle.done():
             self._timed_wait(stream, handle.event)
         if handle.guard is not None and (handle.guard == stream or handle.done()):
             handle.guard = None
+        if handle.home is not None and handle.home != stream:
+            self.backend.record_stream(handle.result, stream)
         return handle.result
 
     def release_host(self, host: torch.Tensor) -> None:

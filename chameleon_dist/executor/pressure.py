@@ -127,7 +127,7 @@ class PressureRelief:
             if freed >= short_bytes:
                 break
             before = self._device.live_bytes()
-            entry = self._entry_for(k.tensor, stream=k.stream)  # (copied after its producer's stream)
+            entry = self._entry_for(k.tensor, reader=k.stream)  # (read in backward on the stream current at its save)
             if entry is None:
                 break  # host budget full
             entry.planned = False  # comes back on demand / with the fallback prefetch

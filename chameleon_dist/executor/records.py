@@ -40,18 +40,22 @@ class SwapEntry:
 
     __slots__ = (
         "nbytes", "version", "position", "ordinal", "trace_index", "to_host", "to_device", "device_bytes", "_device",
-        "stream", "planned", "writes", "source", "held", "_state", "out_in_forward", "recipe", "reuse_counted",
-        "__weakref__",
+        "stream", "reader", "planned", "writes", "source", "held", "_state", "out_in_forward", "recipe",
+        "reuse_counted", "arrival", "__weakref__",
     )
 
     def __init__(
         self, device: "Device", source: torch.UntypedStorage, version: int, position: int, ordinal: int = -1,
-        stream: object | None = None,
+        stream: object | None = None, reader: object | None = None,
     ) -> None:
         self.nbytes = source.nbytes()
-        # the stream that produced the storage (current at the save): its copy waits on it, and its block
-        # goes back to it (NOTE [Release after copy] in device/base.py); None: the stream current at the copy
+        # the stream that produced the storage: its copy waits on it, and its block goes back to it (NOTE
+        # [Release after copy] in device/base.py); None: the stream current at the copy. ``reader``: the stream
+        # current at the save, where autograd reads it in backward and its swap-in is allocated (NOTE
+        # [Producer and reader streams] in device/producers.py); None: the stream current at the swap-in
         self.stream = stream
+        self.reader = reader
+        self.arrival: CopyHandle | None = None  # the swap-in's handle once restored: later readers order on it
         self.version = version
         self.position = position  # index in the iteration's save order of swapped storages
         self.ordinal = ordinal  # the policy entry's save ordinal (-1: no policy)
@@ -156,7 +160,9 @@ class SwapEntry:
             self._release_host_if_copied()
             return False
         # ordered after the swap-out on the link, without making the training stream wait for it
-        self.to_device = self._device.copy_to_device(self.to_host.result, after=self.to_host)
+        # allocated where autograd will read it: the stream current at the save (NOTE [Backward on its
+        # forward's stream] in device/simulated/engine.py), whichever stream fires a prefetch
+        self.to_device = self._device.copy_to_device(self.to_host.result, after=self.to_host, stream=self.reader)
         self._move(EntryState.RESTORING)
         return True
 
@@ -181,11 +187,18 @@ class SwapEntry:
             self.start_swap_in()
         if self.in_flight:
             self.device_bytes = self._device.wait(self.to_device)
+            self.arrival = self.to_device
             self._device.release_host(self.to_host.result)
             self.to_host = None
             self.to_device = None
             self._move(EntryState.RESTORED)
         return self.device_bytes
+
+    def order_reader(self) -> None:
+        """A later unpack of a restored copy, maybe on another stream than the first (a storage saved by nodes
+        on two streams): that stream too is ordered after the swap-in (and recorded on it, ``wait``)."""
+        if self.arrival is not None:
+            self._device.wait(self.arrival)
 
     def evict(self) -> None:
         """Pressure relief gives back a restore made ahead of its use (RESTORING or REUSED_AFTER_COPY ->
@@ -197,6 +210,7 @@ class SwapEntry:
             self.to_device = None  # the copy's device bytes go with its handle
         else:
             self.device_bytes = None
+        self.arrival = None
 
     def abandon(self) -> None:
         """Its attempt ran out of memory and was retried (-> ABANDONED): give back the host buffer (after the
@@ -207,6 +221,7 @@ class SwapEntry:
         if self._state is not EntryState.ABANDONED:
             self._move(EntryState.ABANDONED)
         self.device_bytes = None
+        self.arrival = None
         self.held = None
         self.recipe = None
         to_host = self.to_host

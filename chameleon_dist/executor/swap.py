@@ -353,7 +353,7 @@ class SwapExecutor:
         return False
 
     def _entry_for(self, tensor: torch.Tensor, planned: PolicyEntry | None = None,
-                   stream: object | None = None) -> SwapEntry | None:
+                   reader: object | None = None) -> SwapEntry | None:
         """The entry ``tensor``'s storage leaves the device with: an existing one for the same bytes, else a
         new one. With a policy entry (``planned``), its swap-out, release and swap-in are scheduled on the
         op clock at the points the policy placed them, shifted by how far the sequence had moved at the
@@ -369,7 +369,8 @@ class SwapExecutor:
             return self._recompute_entry(tensor, planned)
         entry = SwapEntry(self.device, storage, tensor._version, position=len(self._order),
                           ordinal=planned.save_ordinal if planned is not None else -1,
-                          stream=stream if stream is not None else self.device.current_stream())
+                          stream=self.device.producer_stream(tensor),
+                          reader=reader if reader is not None else self.device.current_stream())
         op_count = self._context.op_clock() if planned is not None else -1
         if op_count >= 0:
             shift = op_count - planned.save_op_index
@@ -522,6 +523,8 @@ class SwapExecutor:
         entry = packed.entry
         if entry.state is EntryState.PENDING_RECOMPUTE:
             self._rebuild(entry)
+        elif entry.arrival is not None:
+            entry.order_reader()  # (restored for an earlier unpack: this one's stream is ordered too)
         elif not entry.restored:
             if not entry.in_flight and entry.planned:
                 self.counters.on_demand_fetches += 1

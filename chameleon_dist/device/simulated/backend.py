@@ -17,6 +17,7 @@ from chameleon_dist.device.cost import KernelCostModel
 from chameleon_dist.device.leaves import tensor_leaves
 from chameleon_dist.device.model import DeviceModel
 from chameleon_dist.device.simulated.clock import DeviceClock, SimEvent, SimStream, link_pair
+from chameleon_dist.device.simulated.engine import EngineStreams
 from chameleon_dist.device.simulated.hazards import HazardChecker
 from chameleon_dist.device.simulated.meta import FusedAttentionChoice, meta_host_buffer
 from chameleon_dist.device.simulated.memory import FRESH_FROM_DATA, SimAllocator, storage_key
@@ -75,6 +76,7 @@ class SimulatedBackend:
         self.model = model
         self.clock = DeviceClock()
         self.compute_stream = SimStream(self.clock, "compute")
+        self.engine = EngineStreams(self.compute_stream, self._record_crossing)  # NOTE [Backward on its forward's stream]
         self.h2d_link, self.d2h_link = link_pair(model.h2d_bytes_per_s, model.d2h_bytes_per_s, model.duplex_factor)
         self.hazards = HazardChecker(check_hazards)
         self.allocator = SimAllocator(self.capacity_bytes, self.hazards)
@@ -115,20 +117,15 @@ class SimulatedBackend:
 
     # ---- streams and events -----------------------------------------------------------------
     def current_stream(self) -> SimStream:
-        stream = getattr(self._local, "stream", None)
-        return stream if stream is not None else self.compute_stream
+        """The stream work is queued on now: the one entered with ``use_stream``, else, in backward, the running
+        node's forward stream (NOTE [Backward on its forward's stream] in ``engine.py``), else the compute stream."""
+        return self.engine.current()
 
     def new_stream(self, name: str | None = None) -> SimStream:
         return SimStream(self.clock, name or f"side-{next(self._stream_numbers)}")
 
-    @contextlib.contextmanager
-    def use_stream(self, stream: SimStream) -> Iterator[None]:
-        before = getattr(self._local, "stream", None)
-        self._local.stream = stream
-        try:
-            yield
-        finally:
-            self._local.stream = before
+    def use_stream(self, stream: SimStream):
+        return self.engine.use(stream)
 
     def new_event(self, timing: bool = False) -> SimEvent:
         """An event, recorded by the caller at host time. With the measured host time, the host's work up to
@@ -168,6 +165,13 @@ class SimulatedBackend:
         """``Tensor.record_stream``: the block's reuse waits for ``stream``'s work queued before its free."""
         block = self.allocator.block_of(tensor.untyped_storage())
         if block is not None:
+            block.recorded = (block.recorded or set()) | {stream}
+
+    def _record_crossing(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        """A gradient handed to a node on ``stream``: recorded there when its block belongs to another stream
+        (the engine's input buffer on a GPU)."""
+        block = self.allocator.block_of(tensor.untyped_storage())
+        if block is not None and block.stream is not stream:
             block.recorded = (block.recorded or set()) | {stream}
 
     def host_allocator(self):
@@ -239,6 +243,7 @@ class SimulatedBackend:
         """Run one op as the device would: the host queues it (host clock), its new blocks are allocated
         on the current stream (or ``torch.OutOfMemoryError`` before anyone sees its outputs), its kernel
         occupies the stream for the roofline cost, and its accesses are checked for hazards."""
+        self.engine.settle()
         if getattr(self._local, "paused", False):
             out = func(*args, **kwargs)
             if self.op_times_s is not None:
@@ -271,6 +276,8 @@ class SimulatedBackend:
                 except torch.OutOfMemoryError:
                     del out, outputs, fresh  # the op's outputs never reach anyone (the error's frames hold this one)
                     raise
+        if outputs and stream is not self.compute_stream:
+            self.engine.note_outputs(outputs, stream)
         if func in _NO_KERNEL:
             if self.op_times_s is not None:
                 self.op_times_s.append(0.0)
