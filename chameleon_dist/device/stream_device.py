@@ -38,16 +38,17 @@ class StreamCopyHandle:
     been ordered after the copy. A handle dropped while still guarded (e.g. a prefetch never waited on)
     makes the stream wait for its copy on the way out (NOTE [Release after copy] in ``device/base.py``)."""
 
-    __slots__ = ("nbytes", "result", "event", "source", "guard", "home", "__weakref__")
+    __slots__ = ("nbytes", "result", "event", "source", "guard", "home", "owner", "__weakref__")
 
     def __init__(self, result: torch.Tensor, event, guard, source: torch.UntypedStorage | None = None,
-                 home=None) -> None:
+                 home=None, owner: "StreamDevice | None" = None) -> None:
         self.nbytes = result.numel()
         self.result = result
         self.event = event
         self.guard = guard
         self.source = source  # swap-outs only: the device storage being read
         self.home = home  # swap-ins only: the stream the destination was allocated on (its reader's)
+        self.owner = weakref.ref(owner) if owner is not None else None
 
     def done(self) -> bool:
         return self.event.query()
@@ -56,7 +57,12 @@ class StreamCopyHandle:
         guard = self.guard
         if guard is not None:
             try:
-                if not self.event.query():
+                owner = self.owner() if self.owner is not None else None
+                if owner is not None and owner.is_capturing():
+                    # no query inside a CUDA graph capture: the device keeps the bytes and orders the stream
+                    # once the capture has ended (NOTE [No swapping under graph capture] in executor/capture.py)
+                    owner.defer_guard(guard, self.event, self.result)
+                elif not self.event.query():
                     guard.wait_event(self.event)
             except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter shutdown)
                 pass
@@ -139,6 +145,7 @@ class StreamDevice:
         self._stall_pairs: list[tuple[Any, Any]] = []
         self._stall_s = 0.0
         self._timers: weakref.WeakSet[EventTimer] = weakref.WeakSet()  # live timers: each keeps the waits it saw
+        self._deferred_guards: list[tuple[Any, Any, torch.Tensor]] = []  # (stream, event, bytes) from a capture
 
     # ---- link -------------------------------------------------------------------------------
     @property
@@ -230,7 +237,7 @@ class StreamDevice:
         done = backend.new_event()
         done.record(self._d2h_stream)
         self._note_host_copy(host, done)
-        handle = StreamCopyHandle(host, done, guard=producer, source=storage)
+        handle = StreamCopyHandle(host, done, guard=producer, source=storage, owner=self)
         self._held_sources.append(handle)
         return handle
 
@@ -257,7 +264,7 @@ class StreamDevice:
         done = backend.new_event()
         done.record(self._h2d_stream)
         self._note_host_copy(host, done)
-        return StreamCopyHandle(destination, done, guard=reader, home=reader)
+        return StreamCopyHandle(destination, done, guard=reader, home=reader, owner=self)
 
     def wait(self, handle: StreamCopyHandle) -> torch.Tensor:
         """Order the current stream after the copy on the device (the host does not block). A swap-in read on
@@ -298,9 +305,25 @@ class StreamDevice:
                 return self._release_through(position + 1)
         return 0
 
+    def defer_guard(self, stream, event, device_bytes: torch.Tensor) -> None:
+        """A copy handle dropped during a graph capture: ``stream`` waits for ``event`` once the capture has
+        ended (``apply_deferred_guards``); until then the device holds ``device_bytes``, so the block cannot go
+        back to its pool unordered."""
+        self._deferred_guards.append((stream, event, device_bytes))
+
+    def apply_deferred_guards(self) -> None:
+        """Order the streams of the handles dropped during a capture after their copies, and let go of the
+        bytes they guarded (nothing while a capture is still under way)."""
+        if self._deferred_guards and not self.backend.is_capturing():
+            deferred, self._deferred_guards = self._deferred_guards, []
+            for stream, event, _ in deferred:
+                if not event.query():
+                    stream.wait_event(event)
+
     def release_completed_sources(self) -> int:
         """The earliest release, without waiting: let go of the held swap-out sources whose copy's
         done-event has fired and return their bytes (the scan stops at the first unfinished one)."""
+        self.apply_deferred_guards()
         released_bytes = 0
         while self._held_sources and self._held_sources[0].done():
             released_bytes += self._let_go_oldest_source()
@@ -330,6 +353,7 @@ class StreamDevice:
 
     def synchronize(self) -> None:
         """Block the host until both copy streams are idle, then let go of every finished source and buffer."""
+        self.apply_deferred_guards()
         self._d2h_stream.synchronize()
         self._h2d_stream.synchronize()
         self.release_completed_sources()

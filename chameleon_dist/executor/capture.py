@@ -7,13 +7,20 @@ callables, a graph captured by hand). A capture records the kernels queued on th
 them later; querying an event, making another stream wait on the capturing one, or queueing a copy on a
 copy stream invalidates the capture (``cudaErrorStreamCaptureInvalidated``), and a replay would repeat
 copies into host buffers the pool has since handed to other tensors. So while
-``Device.is_capturing()`` (the CUDA backend asks whether the current stream is capturing; never on
-the emulated device), the pack hook keeps every saved tensor on the device exactly as it is and queues
+``Device.is_capturing()`` (the CUDA backend asks whether the current stream is capturing; the emulated
+device while its backend's ``capture()`` block runs, where querying an event or waiting on the device raises
+``GraphCaptureQueryError`` as CUDA refuses both), the pack hook keeps every saved tensor on the device exactly as it is and queues
 nothing: no ``event.query``, no ``wait_stream``, no copy, no release of a held source, no entry a
 passive swap could take later. The unpack hook hands a kept tensor back (with autograd's in-place check)
 and queues nothing either; a tensor swapped out before the capture began cannot come back inside it
 (that would be a copy in the graph) and raises ``GraphCaptureSwapError``. The capture's memory is the
 graph's private pool's, which Chameleon neither plans nor meters.
+
+Every path that could queue work asks the same question first: the saved-tensor hooks (here), the op clock
+that the profiler's dispatch modes drive (``SwapExecutor.on_op``: a swap-out, release or swap-in placed at an op
+inside the capture stays due and starts at the first op after it), relief in the dispatch layer (never retried
+under capture), and a copy handle dropped inside a capture (``StreamCopyHandle.__del__``: the device keeps its
+bytes and orders its stream after the copy once the capture has ended, ``StreamDevice.apply_deferred_guards``).
 """
 
 from __future__ import annotations

@@ -467,7 +467,11 @@ class SwapExecutor:
     def on_op(self, op_count: int) -> None:
         """An op of the iteration ended and ``op_count`` ops have run: start the swap-outs, releases and
         swap-ins placed there (NOTE [Placed swaps] in schedule.py). The caller's dispatch mode calls this
-        only when ``op_count >= due_op``, so an op with nothing due costs one comparison."""
+        only when ``op_count >= due_op``, so an op with nothing due costs one comparison. Inside a CUDA-graph
+        capture nothing is queued: what is due stays due, and starts at the first op after the capture (NOTE
+        [No swapping under graph capture] in capture.py)."""
+        if self.device.is_capturing():
+            return
         self.due_op = NEVER
         placed = self._placed
         with self._context.hide_own_ops():

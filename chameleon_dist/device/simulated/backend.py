@@ -140,10 +140,23 @@ class SimulatedBackend:
         return start.elapsed_s(end)
 
     def synchronize(self) -> None:
+        self.clock.refuse_under_capture("the device was synchronised")
         self.clock.wait_for(self.clock.device_idle_s())
 
     def is_capturing(self) -> bool:
-        return False
+        return self.clock.capturing
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """A simulated CUDA graph capture: ``is_capturing`` is true inside, and querying an event or waiting on
+        the device raises ``GraphCaptureQueryError``, as CUDA refuses both during a capture (the ops themselves
+        still run eagerly: only what the capture forbids is checked)."""
+        clock = self.clock
+        before, clock.capturing = clock.capturing, True
+        try:
+            yield
+        finally:
+            clock.capturing = before
 
     # ---- memory -----------------------------------------------------------------------------
     def live_bytes(self) -> int:

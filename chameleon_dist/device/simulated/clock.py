@@ -28,12 +28,24 @@ import math
 _INSTANT = math.inf
 
 
+class GraphCaptureQueryError(RuntimeError):
+    """An event was queried or the host waited on the device during a (simulated) CUDA graph capture."""
+
+
 class DeviceClock:
     """The host clock and every stream's and link's device time (one per simulated device)."""
 
     def __init__(self) -> None:
         self.host_s = 0.0
         self.streams: list[SimStream] = []
+        self.capturing = False  # a CUDA graph is being captured: events and streams may not be queried
+
+    def refuse_under_capture(self, what: str) -> None:
+        """CUDA refuses a query or a host wait while a stream is capturing (and invalidates the capture)."""
+        if self.capturing:
+            raise GraphCaptureQueryError(
+                f"{what} while a CUDA graph is being captured (simulated): CUDA refuses it with "
+                "cudaErrorStreamCaptureUnsupported and invalidates the capture")
 
     def advance_host(self, seconds: float) -> None:
         self.host_s += seconds
@@ -85,6 +97,7 @@ class SimStream:
             self.ready_s = max(other.ready_s, self.clock.host_s)
 
     def synchronize(self) -> None:
+        self.clock.refuse_under_capture("the host waited for a stream")
         self.clock.wait_for(self.ready_s)
 
 
@@ -102,9 +115,11 @@ class SimEvent:
         self.time_s = stream.launch(0.0)[1]
 
     def query(self) -> bool:
+        self.clock.refuse_under_capture("an event was queried")
         return self.time_s is None or self.time_s <= self.clock.host_s
 
     def synchronize(self) -> None:
+        self.clock.refuse_under_capture("the host waited for an event")
         if self.time_s is not None:
             self.clock.wait_for(self.time_s)
 
