@@ -1,17 +1,17 @@
 """``SwapExecutor``: saved-tensor hooks that move activations to the host and back, as a policy says.
 
 Without a policy, every saved activation whose storage holds at least ``min_swap_bytes`` leaves the device
-asynchronously when autograd saves it and comes back when backward needs it, with the next
-``prefetch_depth`` swapped storages (in reverse save order, the order backward usually needs them)
-brought back ahead of time. With a policy (``IterationContext.policy``), only the saved storages the
-policy matches leave the device (see NOTE [Save-site matching] in ``matching.py``: a policy made for one
-sequence length, batch size or expert load applies to another), each at the ops the policy placed its
-swap-out, release and swap-in (NOTE [Placed swaps] in schedule.py), or, when the policy says so, rebuilt
-from its producer's inputs (NOTE [Per-tensor recompute] in recompute.py); one needed before its prefetch
-started is fetched on demand and counted. Under memory pressure the executor lets in-flight swap-outs land, gives
-back prefetches not used yet, then swaps out idle kept tensors synchronously (passive swap): its
-``PressureRelief`` (``pressure.py``). Each swapped storage's life is an explicit state (NOTE [Swap entry
-lifecycle] in ``states.py``): the executor reads it and asks the entry to move.
+asynchronously when autograd saves it and comes back when backward needs it, with the next ``prefetch_depth``
+swapped storages (in reverse save order, the order backward usually needs them) brought back ahead of time.
+With a policy (``IterationContext.policy``), only the saved storages the policy matches leave the device (NOTE
+[Save-site matching] in ``matching.py``: a policy made for one sequence length, batch size or expert load
+applies to another), each at the ops the policy placed its swap-out, release and swap-in (NOTE [Placed swaps]
+in schedule.py), or, when the policy says so, rebuilt from its producer's inputs (NOTE [Per-tensor recompute]
+in recompute.py); one needed before its prefetch started is fetched on demand and counted. Under memory
+pressure the executor lets in-flight swap-outs land, gives back prefetches not used yet, then swaps out idle
+kept tensors synchronously (passive swap): its ``PressureRelief`` (``pressure.py``). Each swapped storage's
+life is an explicit state (NOTE [Swap entry lifecycle] in ``states.py``): the executor reads it and asks the
+entry to move.
 
 Never swapped: parameters and views of them, what ``protect`` names (engine buffers), tensors that are not
 plain dense device tensors, and anything packed while a backward pass runs (recompute inside backward).
@@ -95,14 +95,12 @@ class SwapExecutor:
         self.device = device
         self.min_swap_bytes = min_swap_bytes
         self.prefetch_depth = prefetch_depth
-        # planned swap-ins wait while they would take the device above this (the runtime: the memory budget)
-        self.prefetch_limit_bytes = prefetch_limit_bytes
+        self.prefetch_limit_bytes = prefetch_limit_bytes  # planned swap-ins wait while they would pass it (budget)
         self.counters = SwapCounters()
         self._protection = StorageProtection()
         # (``_order``, ``_kept`` and ``_placed`` are shared with the pressure relief: cleared in place, never rebound)
         self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
-        # storage key -> the entries whose bytes live there (swapped originals, restored copies): an
-        # in-place write to one is counted on them (``note_writes``)
+        # storage key -> entries whose bytes live there (originals, restored copies): writes count (``note_writes``)
         self._watched: dict[int, list[weakref.ReferenceType[SwapEntry]]] = {}
         self._order: list[weakref.ReferenceType[SwapEntry]] = []
         self._host_budget_warned = False
@@ -119,8 +117,7 @@ class SwapExecutor:
         self.captures_producers = False  # the dispatch mode calls ``on_produced`` (the policy recomputes)
         self._prefetching = False  # a swap-in ahead of its use is allocating (NOTE [Relief under pressure])
         self._kept: list[weakref.ReferenceType[KeptTensor]] = []
-        # every tensor this attempt packed (kept or swapped): let go when the attempt is retried
-        self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []
+        self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []  # this attempt's (for a retry)
         self._relief = PressureRelief(  # (NOTE [Relief under pressure] in pressure.py)
             device, counters=lambda: self.counters, schedule=self._placed, entries=self._order, kept=self._kept,
             entry_for=self._entry_for, issue_pending_swap_outs=functools.partial(self._issue_overdue, everything=True),
@@ -467,9 +464,8 @@ class SwapExecutor:
     def on_op(self, op_count: int) -> None:
         """An op of the iteration ended and ``op_count`` ops have run: start the swap-outs, releases and
         swap-ins placed there (NOTE [Placed swaps] in schedule.py). The caller's dispatch mode calls this
-        only when ``op_count >= due_op``, so an op with nothing due costs one comparison. Inside a CUDA-graph
-        capture nothing is queued: what is due stays due, and starts at the first op after the capture (NOTE
-        [No swapping under graph capture] in capture.py)."""
+        only when ``op_count >= due_op``, so an op with nothing due costs one comparison. Nothing while a graph
+        is captured: it stays due (NOTE [No swapping under graph capture] in capture.py)."""
         if self.device.is_capturing():
             return
         self.due_op = NEVER
@@ -527,8 +523,8 @@ class SwapExecutor:
         entry = packed.entry
         if entry.state is EntryState.PENDING_RECOMPUTE:
             self._rebuild(entry)
-        elif entry.arrival is not None:
-            entry.order_reader()  # (restored for an earlier unpack: this one's stream is ordered too)
+        elif entry.arrival is not None:  # (restored for an earlier unpack: order this one's stream too)
+            entry.order_reader()
         elif not entry.restored:
             if not entry.in_flight and entry.planned:
                 self.counters.on_demand_fetches += 1
