@@ -153,3 +153,66 @@ def test_prefetched_swap_ins_for_a_side_stream_backward_are_allocated_where_they
     assert sum(r.prefetched for r in reports) > 0, "the test must exercise prefetch"
     assert all(torch.equal(a, b) for a, b in zip(losses, reference_losses))
     assert all(torch.equal(a, b) for step_a, step_b in zip(grads, reference_grads) for a, b in zip(step_a, step_b))
+
+
+class _SideBackward(torch.autograd.Function):
+    """Forward on the current stream; backward computes on a side stream it enters itself (a module that
+    overlaps its backward with other work), ordered as a correct program orders it."""
+
+    backend = None
+    side = None
+    streams: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        backend, side = _SideBackward.backend, _SideBackward.side
+        current = backend.current_stream()
+        side.wait_stream(current)
+        backend.record_stream(x, side)
+        backend.record_stream(grad, side)
+        with backend.use_stream(side):
+            _SideBackward.streams.append(backend.current_stream())
+            result = 2 * x * grad
+        current.wait_stream(side)
+        backend.record_stream(result, current)
+        return result
+
+
+def _side_backward_run(enabled: bool, steps: int):
+    device = _lagging_device()
+    backend = device.backend
+    _SideBackward.backend, _SideBackward.side, _SideBackward.streams = backend, backend.new_stream("side"), []
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(128, 128) for _ in range(4))
+    chameleon = Chameleon({"enabled": enabled, "min_swap_bytes": 4096, "executor": {"prefetch_depth": 2}},
+                          device=device)
+    chameleon.attach(layers)
+    grads = []
+    for step in range(steps):
+        x = device.track(torch.randn(256, 128, generator=torch.Generator().manual_seed(step)))
+
+        def closure():
+            h = x
+            for layer in layers:
+                h = _SideBackward.apply(torch.tanh(layer(h)))
+            h.mean().backward()
+
+        chameleon.run_iteration(closure)
+        grads.append([p.grad.clone() for p in layers.parameters()])
+        for p in layers.parameters():
+            p.grad = None
+    return grads, _SideBackward.streams, chameleon.last_report
+
+
+def test_a_stream_entered_inside_a_backward_node_is_current_there_and_swapped_inputs_stay_exact():
+    reference, _, _ = _side_backward_run(False, 2)
+    grads, streams, report = _side_backward_run(True, 2)  # (WarmUp: every saved tensor is swapped)
+    assert streams and all(s is _SideBackward.side for s in streams)
+    assert report.swapped_storages > 0
+    assert all(torch.equal(a, b) for step_a, step_b in zip(grads, reference) for a, b in zip(step_a, step_b))
