@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import bisect
 import mmap
-import threading
 import weakref
 
 import torch
+
+from chameleon_dist.device.host_lock import DeferringLock
 
 ALIGNMENT_BYTES = 512
 """Every buffer starts at a multiple of this (and takes a multiple of it from the arena)."""
@@ -39,7 +40,7 @@ class HostArena:
             raise ValueError(f"an arena of {capacity_bytes} bytes does not fit a region of {len(region)} bytes")
         self.capacity_bytes = int(capacity_bytes)
         self._view = memoryview(region)
-        self._lock = threading.Lock()
+        self._lock = DeferringLock()  # a buffer's range comes back from its storage's finalizer
         self._starts: list[int] = [0]  # free ranges, sorted by start
         self._sizes: list[int] = [self.capacity_bytes]
         self.lent_bytes = 0
@@ -73,6 +74,10 @@ class HostArena:
         return buffer
 
     def _give_back(self, start: int, span: int) -> None:
+        """A buffer's storage died (a finalizer: never blocks, never runs inside a held section)."""
+        self._lock.run_or_defer(self._give_back_now, start, span)
+
+    def _give_back_now(self, start: int, span: int) -> None:
         with self._lock:
             self.lent_bytes -= span
             position = bisect.bisect_left(self._starts, start)

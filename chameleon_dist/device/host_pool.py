@@ -28,12 +28,12 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-import threading
 from typing import Callable
 
 import torch
 
 from chameleon_dist.device.host_arena import HostArena
+from chameleon_dist.device.host_lock import DeferringLock
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class HostBufferPool:
         self.idle_cap_factor = idle_cap_factor
         self.reuse_slack_fraction = reuse_slack_fraction
         self._allocate = allocate
-        self._lock = threading.Lock()
+        self._lock = DeferringLock()  # finalizers release buffers: possibly inside acquire (host_lock.py)
         self._stamp = 0
         self._idle: collections.OrderedDict[int, tuple[int, torch.Tensor]] = collections.OrderedDict()  # oldest first
         self._idle_by_size: dict[int, collections.deque[int]] = {}  # size -> stamps, oldest first
@@ -174,7 +174,11 @@ class HostBufferPool:
             raise
 
     def release(self, buf: torch.Tensor) -> None:
-        """Return a buffer obtained from ``acquire`` for reuse."""
+        """Return a buffer obtained from ``acquire`` for reuse. Safe from a finalizer, also one that garbage
+        collection runs inside ``acquire``: then it takes effect when that section ends (``host_lock.py``)."""
+        self._lock.run_or_defer(self._release_now, buf)
+
+    def _release_now(self, buf: torch.Tensor) -> None:
         with self._lock:
             base = self._lent.pop(host_key(buf), None) if buf.numel() else None
             if base is None:
