@@ -4,31 +4,40 @@ written to one JSON (``<out>/gpu_check.json``).
     .venv/bin/python -m launch.gpu_check --out runs/gpu_check            # on a CUDA machine
     .venv/bin/python -m launch.gpu_check --out /tmp/gpu_check --dry-run  # CPU: the same steps, tiny and fast
 
-Its parts, in this order, each in its own process with its own time limit (a part that fails or runs out of
-time is recorded and the next one runs; the JSON is written after every part, so a killed check keeps
-what it had):
+First, before any device time is spent, the preflight (``launch/gpu_preflight.py``) imports every module each
+wanted part needs in a fresh interpreter; a missing one ends the check at once (exit status 2) with one message
+naming the distributions to carry (``launch/gpu_wheels.sh``). Then its parts, in this order, each in its own
+process (group) with its own time limit (a part that fails or runs out of time is recorded, its processes are
+ended, and the next one runs; the JSON is written after every part, so a killed check keeps what it had):
 
 1. ``gpu_tests``: the ``gpu``-marked tests (``pytest -m gpu`` over the test files that have them); on a
    CPU they skip, which the dry run shows.
-2. ``megatron_2rank``: ``-m launch.train_megatron --tp 2`` on two ranks, without Chameleon (metered) and with
+2. ``probes``: ``launch/gpu_probes.py``: relief with the capacity enforced and no iteration retry (at least one op
+   relieved, bit-identical), a side-stream backward + BatchNorm model, no pageable fallback buffers, measured
+   D2H/H2D/duplex copy rates beside the preset's, Chameleon's added host time per op.
+3. ``gpu_tests_sanitized``: the ``gpu`` tests again under PyTorch's CUDA stream sanitizer
+   (``TORCH_CUDA_SANITIZER=1``: an access racing another stream's fails its test).
+4. ``megatron_2rank``: ``-m launch.train_megatron --tp 2`` on two ranks, without Chameleon (metered) and with
    it, compared by ``launch/compare_reports.py`` (bit-identical, within capacity, Stable reached).
-3. ``deepspeed_2rank``: ``launch/train_deepspeed.py`` on two ranks, ZeRO-2 (ZeRO-0 when the ranks share one GPU,
+5. ``deepspeed_2rank``: ``launch/train_deepspeed.py`` on two ranks, ZeRO-2 (ZeRO-0 when the ranks share one GPU,
    see below), without and with Chameleon, compared the same way.
-4. ``bench_gpu``: ``launch/bench_gpu.py``, time-boxed to what is left (at most 3 minutes).
+6. ``bench_gpu``: ``launch/bench_gpu.py``, time-boxed to what is left (at most 3 minutes).
 
 Two ranks on a machine with one GPU share it (``launch/cuda_ranks.py``): NCCL refuses that, so they use
 gloo, which moves CUDA tensors only by all-reduce and broadcast: tensor parallelism (no pipeline send) and
 ZeRO stage 0 (gradients all-reduced). With two GPUs or more, every rank has its own and NCCL.
 
-The dry run (``--dry-run``) runs the same parts on the CPU (emulated devices, 4 iterations, bench_gpu's own
-dry run); the test suite runs it. Its times mean nothing; its structure and bits do.
+The dry run (``--dry-run``) runs the same parts on the CPU (emulated devices, 4 iterations, the probes' and
+bench_gpu's own dry runs); the test suite runs it. Its times mean nothing; its structure and bits do.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,11 +45,13 @@ import time
 from pathlib import Path
 
 from launch.compare_reports import compare, stable_window
+from launch.gpu_preflight import preflight
 from launch.harness import header
 
 REPO = Path(__file__).resolve().parents[1]
 
 TAIL_CHARS = 4000
+END_GRACE_S = 10.0  # a part past its limit: SIGTERM, then SIGKILL after this
 BENCH_MAX_MINUTES = 3.0
 MEGATRON_CAPACITY = "8MB"  # the tp2 layout's tested capacity (tests/test_megatron_ranks.py)
 DEEPSPEED_CAPACITY = "9MiB"  # zero2's (tests/test_deepspeed_ranks.py)
@@ -52,18 +63,57 @@ def gpu_test_files() -> list[str]:
                   if "pytest.mark.gpu" in p.read_text())
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc; torchrun's ranks run in sessions of their own, so a process group
+    does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _end(process: subprocess.Popen) -> int:
+    """End ``process`` and everything it started: SIGTERM (torchrun then stops its ranks), SIGKILL after
+    ``END_GRACE_S``. Returns how many processes were told to end."""
+    pids = [process.pid, *_descendants(process.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=END_GRACE_S)
+    for pid in [*pids, *_descendants(process.pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+    return len(pids)
+
+
 def _run(command: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
-    """Run one command; its outcome (exit status, time, whether it timed out, the end of its output)."""
+    """Run one command; its outcome (exit status, time, whether it timed out, the end of its output). Past
+    ``timeout_s`` it is ended with every process it started (``_end``). The output goes to a file, so a process
+    that keeps it open cannot hold the check."""
     started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=max(timeout_s, 1.0),
-                              env={**os.environ, **(env or {})})
-        code, output, timed_out = done.returncode, done.stdout + done.stderr, False
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"") + (exc.stderr or b"")
-        code, output, timed_out = None, out.decode(errors="replace") if isinstance(out, bytes) else out, True
-    return {"command": command, "returncode": code, "timed_out": timed_out,
-            "elapsed_s": round(time.monotonic() - started, 1), "output_tail": output[-TAIL_CHARS:]}
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as output:
+        process = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
+        ended = 0
+        try:
+            code, timed_out = process.wait(timeout=max(timeout_s, 1.0)), False
+        except subprocess.TimeoutExpired:
+            code, timed_out, ended = None, True, _end(process)
+        output.seek(0)
+        text = output.read()
+    return {"command": command, "returncode": code, "timed_out": timed_out, "ended_processes": ended,
+            "elapsed_s": round(time.monotonic() - started, 1), "output_tail": text[-TAIL_CHARS:]}
 
 
 def _junit_counts(path: Path) -> dict:
@@ -76,12 +126,29 @@ def _junit_counts(path: Path) -> dict:
     return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 
 
-def part_gpu_tests(work: Path, timeout_s: float) -> dict:
-    xml = work / "gpu_tests.xml"
-    result = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                   f"--junitxml={xml}", *gpu_test_files()], timeout_s)
+def part_gpu_tests(work: Path, timeout_s: float, sanitized: bool = False) -> dict:
+    """The gpu-marked tests; ``sanitized``: under PyTorch's CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``),
+    whose being on in the test process is recorded (``launch/sanitizer_plugin.py``)."""
+    name = "gpu_tests_sanitized" if sanitized else "gpu_tests"
+    xml, state = work / f"{name}.xml", work / f"{name}-sanitizer.json"
+    plugin = ["-p", "launch.sanitizer_plugin"] if sanitized else []
+    env = {"TORCH_CUDA_SANITIZER": "1", "GPU_CHECK_SANITIZER_STATE": str(state)} if sanitized else None
+    result = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *plugin,
+                   f"--junitxml={xml}", *gpu_test_files()], timeout_s, env)
     result["counts"] = _junit_counts(xml)
     result["ok"] = result["returncode"] == 0
+    if sanitized:
+        result["sanitizer_enabled"] = json.loads(state.read_text())["enabled"] if state.is_file() else False
+        result["ok"] = result["ok"] and result["sanitizer_enabled"]
+    return result
+
+
+def part_probes(work: Path, timeout_s: float, dry_run: bool) -> dict:
+    out = work / "gpu_probes.json"
+    result = _run([sys.executable, "-m", "launch.gpu_probes", "--json", str(out), *(["--dry-run"] if dry_run else [])],
+                  timeout_s)
+    result["results"] = json.loads(out.read_text()) if out.is_file() else None
+    result["ok"] = result["returncode"] == 0 and bool(result["results"] and result["results"].get("ok"))
     return result
 
 
@@ -147,41 +214,61 @@ def part_bench_gpu(work: Path, timeout_s: float, dry_run: bool) -> dict:
     return result
 
 
+PARTS = ("gpu_tests", "probes", "gpu_tests_sanitized", "megatron_2rank", "deepspeed_2rank", "bench_gpu")
+SHARES = {"gpu_tests": 0.15, "probes": 0.15, "gpu_tests_sanitized": 0.15, "megatron_2rank": 0.25,
+          "deepspeed_2rank": 0.4, "bench_gpu": 1.0}
+"""Each part's share of the time left when it starts (bench_gpu takes the rest, at most ``BENCH_MAX_MINUTES``)."""
+PREFLIGHT_MAX_S = 120.0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
     parser.add_argument("--dry-run", action="store_true", help="the same parts on the CPU, tiny (the tests run it)")
     parser.add_argument("--max-minutes", type=float, default=8.0, help="time box of the whole check")
     parser.add_argument("--iterations", type=int, default=None, help="rank jobs' iterations (default 12; dry 4)")
-    parser.add_argument("--parts", default="gpu_tests,megatron_2rank,deepspeed_2rank,bench_gpu",
-                        help="comma-separated subset of the parts, in their order")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of the parts, in their order")
     args = parser.parse_args(argv)
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --dry-run to exercise the same steps on the CPU")
+    wanted = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(wanted) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown --parts {unknown}: choose from {', '.join(PARTS)}")
     iterations = args.iterations or (4 if args.dry_run else 12)
     shared_gpu = _shared_gpu(args.dry_run)
-    wanted = [p for p in args.parts.split(",") if p]
     started = time.monotonic()
     deadline = started + 60 * args.max_minutes
-    # each part's share of the time box, taken from what is left (bench_gpu gets the rest)
-    shares = {"gpu_tests": 0.25, "megatron_2rank": 0.2, "deepspeed_2rank": 0.2, "bench_gpu": 1.0}
-    unknown = sorted(set(wanted) - set(shares))
-    if unknown:
-        parser.error(f"unknown --parts {unknown}: choose from {', '.join(shares)}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gpu_check.json"
     results = {**header("launch.gpu_check", sys.argv[1:] if argv is None else argv, torch), "dry_run": args.dry_run,
-               "emulated": args.dry_run, "cuda": _cuda_info(torch), "ranks_share_gpu": shared_gpu, "parts": {}}
+               "emulated": args.dry_run, "cuda": _cuda_info(torch), "ranks_share_gpu": shared_gpu, "parts": {},
+               "ok": True}
+
+    def write() -> None:
+        results["elapsed_s"] = round(time.monotonic() - started, 1)
+        path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+    ordered = [name for name in PARTS if name in wanted]
+    results["preflight"] = checked = preflight(ordered, timeout_s=min(PREFLIGHT_MAX_S, 60 * args.max_minutes / 4))
+    print(f"[gpu_check] {checked['message']}", flush=True)
+    if not checked["ok"]:
+        results["ok"] = False
+        write()
+        print(f"[gpu_check] nothing ran (no device time spent); results in {path}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
-        for name in (p for p in shares if p in wanted):
+        for name in ordered:
             left_s = deadline - time.monotonic()
-            timeout_s = left_s * shares[name] if name != "bench_gpu" else left_s
+            timeout_s = min(left_s * SHARES[name], left_s)
             print(f"[gpu_check] {name}: up to {timeout_s:.0f} s", flush=True)
-            if name == "gpu_tests":
-                part = part_gpu_tests(work, timeout_s)
+            if name in ("gpu_tests", "gpu_tests_sanitized"):
+                part = part_gpu_tests(work, timeout_s, sanitized=name == "gpu_tests_sanitized")
+            elif name == "probes":
+                part = part_probes(work, timeout_s, args.dry_run)
             elif name == "megatron_2rank":
                 part = part_megatron(work, timeout_s, iterations)
             elif name == "deepspeed_2rank":
@@ -190,9 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 part = part_bench_gpu(work, timeout_s, args.dry_run)
             results["parts"][name] = part
             print(f"[gpu_check] {name}: {'ok' if part['ok'] else 'FAILED'}", flush=True)
-            results["elapsed_s"] = round(time.monotonic() - started, 1)
             results["ok"] = all(p["ok"] for p in results["parts"].values())
-            path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+            write()
     print(f"[gpu_check] {'all parts ok' if results['ok'] else 'some parts FAILED'} in {results['elapsed_s']:.0f} s; "
           f"results in {path}")
     return 0 if results["ok"] else 1

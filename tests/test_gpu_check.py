@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,33 @@ def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path):
     assert parts["megatron_2rank"]["layout"]["tp"] == 2 and parts["deepspeed_2rank"]["zero_stage"] == 2
     bench = parts["bench_gpu"]["results"]
     assert bench["emulated"] and "chameleon_swap" in bench["variants"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_a_part_past_its_time_limit_ends_with_every_process_it_started(tmp_path):
+    """A part's process that started others (torchrun's ranks sit in sessions of their own) and outlives its limit:
+    the part returns at its limit, and the processes it started are ended with it (they would keep the GPU, and
+    the output pipe open)."""
+    pid_file = tmp_path / "grandchild.pid"
+    grandchild = tmp_path / "grandchild.py"
+    grandchild.write_text(f"import os, pathlib, time\npathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+                          "time.sleep(30)\n")
+    child = (f"import subprocess, sys, time\n"
+             f"subprocess.Popen([sys.executable, {str(grandchild)!r}], start_new_session=True)\n"
+             f"print('started', flush=True)\n"
+             f"time.sleep(30)\n")
+    result = gpu_check._run([sys.executable, "-c", child], timeout_s=3)
+    assert result["timed_out"] and result["returncode"] is None and "started" in result["output_tail"]
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # (a process told to end may take a moment)
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid), "the grandchild outlived its part"
