@@ -23,6 +23,7 @@ from chameleon_dist.device.backend import Backend
 from chameleon_dist.device.base import PressureHandler, byte_view
 from chameleon_dist.device.dispatch import DeviceDispatch
 from chameleon_dist.device.host_pool import HostBufferPool, host_key
+from chameleon_dist.device.locking import SharedLock, lock_entry_points
 from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -58,14 +59,22 @@ class StreamCopyHandle:
         if guard is not None:
             try:
                 owner = self.owner() if self.owner is not None else None
-                if owner is not None and owner.is_capturing():
-                    # no query inside a CUDA graph capture: the device keeps the bytes and orders the stream
-                    # once the capture has ended (NOTE [No swapping under graph capture] in executor/capture.py)
-                    owner.defer_guard(guard, self.event, self.result)
-                elif not self.event.query():
-                    guard.wait_event(self.event)
+                if owner is None:
+                    _order_after_drop(None, guard, self.event, self.result)
+                else:  # under the device's lock, never waiting for it (NOTE [Threads and locks] in locking.py)
+                    owner.run_or_defer(_order_after_drop, owner, guard, self.event, self.result)
             except Exception:  # noqa: BLE001 - a destructor must not raise (e.g. at interpreter shutdown)
                 pass
+
+
+def _order_after_drop(owner: "StreamDevice | None", guard, event, device_bytes: torch.Tensor) -> None:
+    """A guarded copy handle was dropped: its ``guard`` stream waits for the copy."""
+    if owner is not None and owner.is_capturing():
+        # no query inside a CUDA graph capture: the device keeps the bytes and orders the stream
+        # once the capture has ended (NOTE [No swapping under graph capture] in executor/capture.py)
+        owner.defer_guard(guard, event, device_bytes)
+    elif not event.query():
+        guard.wait_event(event)
 
 
 class EventTimer:
@@ -119,9 +128,11 @@ class EventTimer:
 class StreamDevice:
     """A device seen through the ``Device`` protocol, over ``backend`` (see the module docstring).
 
-    Methods are called from one thread at a time (the training thread, or autograd's device thread during
-    backward, which do not run concurrently). ``d2h_bytes_per_s`` / ``h2d_bytes_per_s`` are the host link's
-    rates the policy plans with (``None``: unknown; ``math.inf``: an instant link)."""
+    Its state is shared by the threads of an iteration (the caller's, autograd's device threads: one per GPU of a
+    ``device_map`` model, at once): each entry point that touches it runs under one re-entrant lock, the backend's
+    where it has one (the simulated clock's); NOTE [Threads and locks] in ``device/locking.py``.
+    ``d2h_bytes_per_s`` / ``h2d_bytes_per_s`` are the host link's rates the policy plans with (``None``: unknown;
+    ``math.inf``: an instant link)."""
 
     def __init__(self, backend: Backend, host_memory_budget_bytes: int | None = None,
                  d2h_bytes_per_s: float | None = None, h2d_bytes_per_s: float | None = None) -> None:
@@ -129,6 +140,7 @@ class StreamDevice:
             if rate is not None and not rate > 0:
                 raise ValueError(f"device.{direction}_bytes_per_s must be > 0 bytes/s, got {rate}")
         self.backend = backend
+        self._lock = getattr(backend, "lock", None) or SharedLock()
         self.name = backend.name
         self.emulated = backend.emulated
         self.capacity_bytes = backend.capacity_bytes
@@ -251,8 +263,13 @@ class StreamDevice:
         [Backward on its forward's stream] in ``device/simulated/engine.py``)."""
         backend = self.backend
         reader = stream if stream is not None else backend.current_stream()
-        with backend.use_stream(reader):
+        with backend.use_stream(reader):  # (before the lock: it may ask the executor for relief)
             destination = self._allocate_device_bytes(host.numel())
+        with self._lock:
+            return self._queue_copy_to_device(host, destination, reader, after)
+
+    def _queue_copy_to_device(self, host: torch.Tensor, destination: torch.Tensor, reader, after) -> StreamCopyHandle:
+        backend = self.backend
         self._h2d_stream.wait_stream(reader)  # the allocation (a possibly reused block) comes first
         previous = after.event if after is not None else None
         if previous is None and host.numel():
@@ -345,6 +362,10 @@ class StreamDevice:
             self._timers.add(timer)
         return timer
 
+    def run_or_defer(self, work, *args) -> None:
+        """For finalizers: ``work(*args)`` under the device's lock now, or by its holder (NOTE [Threads and locks])."""
+        self._lock.run_or_defer(work, *args)
+
     def random_state(self) -> torch.Tensor | None:
         return self.backend.random_state()
 
@@ -431,3 +452,8 @@ class StreamDevice:
             else:
                 waiting.append((host, event))
         self._pending_host = waiting
+
+
+lock_entry_points(StreamDevice, "stall_s", "copy_to_host", "wait", "release_host", "release_all_sources",
+                  "release_source", "defer_guard", "apply_deferred_guards", "release_completed_sources", "timer",
+                  "synchronize")

@@ -29,7 +29,8 @@ class SwapEntry:
     op (``issue``); from then on the device holds it until the copy completed (NOTE [Placed swaps] in
     schedule.py). Without a policy the copy is issued at the save.
 
-    Its life is ``state`` (NOTE [Swap entry lifecycle] in states.py), changed only by its own methods.
+    Its life is ``state`` (NOTE [Swap entry lifecycle] in states.py), changed only by its own methods, which its
+    executor calls under its lock: two threads unpacking one entry see one swap-in (NOTE [Threads and locks]).
     Data the states own, written only here: ``held`` (the original, while HELD, REFUSED or COPYING),
     ``to_host`` (the swap-out's handle while its host buffer is taken), ``to_device`` (RESTORING),
     ``device_bytes`` (the restored states), ``recipe`` (PENDING_RECOMPUTE). Plain data, not states, that
@@ -245,11 +246,20 @@ class SwapEntry:
         to_host = self.to_host
         if to_host is None:
             return
-        try:
-            self._device.wait(self.to_device if self.to_device is not None else to_host)
-            self._device.release_host(to_host.result)
+        try:  # under the device's lock, never waiting for another thread's (NOTE [Threads and locks] in locking.py)
+            run = getattr(self._device, "run_or_defer", None)
+            if run is None:
+                _give_back_host(self._device, to_host, self.to_device)
+            else:
+                run(_give_back_host, self._device, to_host, self.to_device)
         except Exception:  # noqa: BLE001 - a destructor must not raise; the buffer is simply dropped
             pass
+
+
+def _give_back_host(device: "Device", to_host: "CopyHandle", to_device: "CopyHandle | None") -> None:
+    """A dropped entry's host buffer goes back to the pool after the last copy that touches it."""
+    device.wait(to_device if to_device is not None else to_host)
+    device.release_host(to_host.result)
 
 
 def abandoned_error() -> RuntimeError:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from chameleon_dist.device.base import Device
+from chameleon_dist.device.locking import lock_entry_points
 from chameleon_dist.device.meter import storage_key
 from chameleon_dist.executor.capture import capture_aware
 from chameleon_dist.executor.context import IterationContext, SwapCounters
@@ -41,6 +42,8 @@ from chameleon_dist.executor.recompute import ProducerLog, StorageHolders
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error, keep, keep_input
 from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
 from chameleon_dist.executor.states import EntryState
+from chameleon_dist.executor.storage_entries import StorageEntries
+from chameleon_dist.executor.threads import IterationThreads
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
 from chameleon_dist.policy.outcome import RetryAction
 from chameleon_dist.trace.writes import WriteWatch
@@ -97,11 +100,11 @@ class SwapExecutor:
         self.prefetch_depth = prefetch_depth
         self.prefetch_limit_bytes = prefetch_limit_bytes  # planned swap-ins wait while they would pass it (budget)
         self.counters = SwapCounters()
+        self.threads = IterationThreads()  # who may drive it; its lock guards what follows (NOTE in threads.py)
+        self._lock = self.threads.lock
         self._protection = StorageProtection()
         # (``_order``, ``_kept`` and ``_placed`` are shared with the pressure relief: cleared in place, never rebound)
-        self._by_storage: dict[int, weakref.ReferenceType[SwapEntry]] = {}
-        # storage key -> entries whose bytes live there (originals, restored copies): writes count (``note_writes``)
-        self._watched: dict[int, list[weakref.ReferenceType[SwapEntry]]] = {}
+        self._by_storage = StorageEntries(self._lock)  # entries by storage; where in-place writes count (``note_writes``)
         self._order: list[weakref.ReferenceType[SwapEntry]] = []
         self._host_budget_warned = False
         self._swapped_since_release = False
@@ -180,7 +183,8 @@ class SwapExecutor:
         self._start_attempt()
         watch = contextlib.nullcontext() if context.writes_reported else WriteWatch(self.note_writes)
         try:
-            with watch, torch.autograd.graph.saved_tensors_hooks(*capture_aware(self.device, self._pack, self._unpack)):
+            hooks = torch.autograd.graph.saved_tensors_hooks(*capture_aware(self.device, self._pack, self._unpack))
+            with watch, hooks, self.threads.shared():
                 yield self.counters
             self.device.release_all_sources()
         finally:
@@ -190,31 +194,7 @@ class SwapExecutor:
     def note_writes(self, tensors) -> None:
         """An op is about to write ``tensors`` in place: count it on every entry whose bytes live in one
         of their storages, so that unpacking a tensor saved before the write raises (``check_version``)."""
-        watched = self._watched
-        if not watched:
-            return
-        for tensor in tensors:
-            if tensor.layout != torch.strided:
-                continue
-            refs = watched.get(storage_key(tensor.untyped_storage()))
-            if refs:
-                for ref in refs:
-                    entry = ref()
-                    if entry is not None:
-                        entry.writes += 1
-
-    def _watch(self, storage: torch.UntypedStorage, entry: SwapEntry) -> None:
-        key = storage_key(storage)
-        refs = self._watched.get(key)
-        if refs is None:
-            refs = self._watched[key] = []
-            weakref.finalize(storage, self._forget, key)
-        refs.append(weakref.ref(entry))
-
-    def _forget(self, key: int) -> None:
-        """A watched storage died (its address may be reused by an unrelated one)."""
-        self._by_storage.pop(key, None)
-        self._watched.pop(key, None)
+        self._by_storage.note_writes(tensors)
 
     def new_attempt(self, retry: RetryAction | None = None) -> None:
         """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
@@ -255,7 +235,6 @@ class SwapExecutor:
 
     def _clear(self) -> None:
         self._by_storage.clear()
-        self._watched.clear()
         self._order.clear()
         self._saved_storages.clear()
         self._micro_batch = 0
@@ -318,7 +297,7 @@ class SwapExecutor:
         elif eligible:
             if self._matcher is None:
                 entry = self._entry_for(tensor)
-            elif self._by_storage.get(storage_key(storage)) is not None:
+            elif self._by_storage.has(storage):
                 entry = self._entry_for(tensor)  # another view of a storage swapped: shares its copy
         if entry is not None:
             swapped = SwappedTensor(entry, tensor)
@@ -357,9 +336,7 @@ class SwapExecutor:
         save (NOTE [Placed swaps] in schedule.py); else the copy starts now and the device lets go once it completed.
         None when the host budget has no room (the tensor stays on the device)."""
         storage = tensor.untyped_storage()
-        key = storage_key(storage)
-        ref = self._by_storage.get(key)
-        entry = ref() if ref is not None else None
+        entry = self._by_storage.entry_of(storage)
         if entry is not None and entry.version == tensor._version:
             return entry  # same bytes already on their way out: share the host copy
         if planned is not None and planned.decision == Decision.RECOMPUTE:
@@ -390,8 +367,7 @@ class SwapExecutor:
             self.counters.delayed_swap_outs += 1
             backward_start = self._matcher.backward_start.get(planned.micro_batch, planned.first_backward_use)
             entry.out_in_forward = planned.swap_out_at < backward_start
-        self._by_storage[key] = weakref.ref(entry)
-        self._watch(storage, entry)
+        self._by_storage.add(storage, entry)
         self._order.append(weakref.ref(entry))
         self._swapped_since_release = True
         return entry
@@ -406,15 +382,13 @@ class SwapExecutor:
             return None
         entry = SwapEntry(self.device, storage, tensor._version, position=-1, ordinal=planned.save_ordinal)
         entry.recompute_later(recipe)  # (its original goes after its last forward use)
-        self._by_storage[storage_key(storage)] = weakref.ref(entry)
-        self._watch(storage, entry)
+        self._by_storage.add(storage, entry)
         return entry
 
     def _pack_input(self, tensor: torch.Tensor) -> KeptTensor | SwappedTensor:
         """A recipe's tensor input, packed like a saved tensor: the ``SwappedTensor`` of the entry that swaps
         or recomputes its storage, else what ``records.keep_input`` keeps (the in-place check holds)."""
-        ref = self._by_storage.get(storage_key(tensor.untyped_storage()))
-        entry = ref() if ref is not None else None
+        entry = self._by_storage.entry_of(tensor.untyped_storage())
         if entry is not None and entry.version == tensor._version and not entry.abandoned:
             return SwappedTensor(entry, tensor)
         return keep_input(tensor)
@@ -431,7 +405,7 @@ class SwapExecutor:
             self.counters.reused_original_bytes += entry.nbytes
         else:
             entry.finish_rebuild(entry.recipe.run(self._unpack_in_hidden_scope))  # (its recipe's inputs may go)
-            self._watch(entry.device_bytes.untyped_storage(), entry)
+            self._by_storage.watch(entry.device_bytes.untyped_storage(), entry)
             self.counters.recomputed_bytes += entry.nbytes
             self.counters.recomputed_storages += 1
 
@@ -496,6 +470,7 @@ class SwapExecutor:
         self.due_op = self._placed.next_op()
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
+        self.threads.check_thread()
         with self._context.hide_own_ops():
             return self._unpack_in_hidden_scope(packed)
 
@@ -531,7 +506,7 @@ class SwapExecutor:
             self._swap_in(entry)
             entry.finish_swap_in()
             if not entry.reused_source:  # a restored copy: backward may write it (a retained graph re-reads)
-                self._watch(entry.device_bytes.untyped_storage(), entry)
+                self._by_storage.watch(entry.device_bytes.untyped_storage(), entry)
             if not entry.planned:
                 self._prefetch_before(entry)
         tensor = packed.rebuild(entry.device_bytes)
@@ -598,3 +573,7 @@ class SwapExecutor:
             self._prefetching = False
         self.counters.prefetched += 1
         return True
+
+
+lock_entry_points(SwapExecutor, "_pack", "_unpack", "on_op", "relieve_pressure", "new_attempt", "note_writes",
+                  "on_produced", "protect_now", "unprotect_now", "_start_attempt", "_clear")

@@ -15,6 +15,7 @@ import torch
 
 from chameleon_dist.device.cost import KernelCostModel
 from chameleon_dist.device.leaves import tensor_leaves
+from chameleon_dist.device.locking import SharedLock
 from chameleon_dist.device.model import DeviceModel
 from chameleon_dist.device.simulated.clock import DeviceClock, SimEvent, SimStream, link_pair
 from chameleon_dist.device.simulated.engine import EngineStreams
@@ -75,6 +76,10 @@ class SimulatedBackend:
         self.tensor_device = "meta" if meta_tensors else "cpu"
         self.model = model
         self.clock = DeviceClock()
+        # the clock's lock, over the counters and hazard checks too; the device's lock is this one (NOTE [Threads and
+        # locks] in device/locking.py): ops from several threads (autograd's, a joined one) share the device
+        self.lock = SharedLock(self.clock.lock)
+        self._rlock = self.clock.lock  # (per op and copy: the plain lock; the device's entry points run deferred work)
         self.compute_stream = SimStream(self.clock, "compute")
         self.engine = EngineStreams(self.compute_stream, self._record_crossing)  # NOTE [Backward on its forward's stream]
         self.h2d_link, self.d2h_link = link_pair(model.h2d_bytes_per_s, model.d2h_bytes_per_s, model.duplex_factor)
@@ -226,31 +231,32 @@ class SimulatedBackend:
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """``destination.copy_(source)`` on the current stream: over the link when it crosses it, else a
         device-to-device kernel; the data is copied now (the hazard checker guards the timeline)."""
-        self._host_work()
-        self.hazards.raise_pending()
-        stream = self.current_stream()
-        allocator = self.allocator
-        source_block = (allocator.block_of(source.untyped_storage()) if source.device.type == self.tensor_device
-                        else None)
-        destination_block = allocator.block_of(destination.untyped_storage())
-        nbytes = destination.numel() * destination.element_size()
-        if source_block is not None and destination_block is None:
-            start_s, end_s = self.d2h_link.copy(stream, nbytes)
-        elif destination_block is not None and source_block is None:
-            start_s, end_s = self.h2d_link.copy(stream, nbytes)
-        else:
-            start_s, end_s = stream.launch(2 * nbytes / self.model.memory_bytes_per_s + self.model.launch_latency_s)
-        if source_block is not None:
-            host_key = storage_key(destination.untyped_storage()) if destination_block is None else None
-            self.hazards.access(source_block, stream, start_s, end_s, False, "a copy reading its source",
-                                copied_to=host_key)
-        elif destination_block is not None:
-            self.hazards.read_host(storage_key(source.untyped_storage()), "a host-to-device copy")
-        if destination_block is not None:
-            self.hazards.access(destination_block, stream, start_s, end_s, True, "a copy writing its destination")
-        with self.host_side():
-            destination.copy_(source)
-        self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
+        with self._rlock:
+            self._host_work()
+            self.hazards.raise_pending()
+            stream = self.current_stream()
+            allocator = self.allocator
+            source_block = (allocator.block_of(source.untyped_storage()) if source.device.type == self.tensor_device
+                            else None)
+            destination_block = allocator.block_of(destination.untyped_storage())
+            nbytes = destination.numel() * destination.element_size()
+            if source_block is not None and destination_block is None:
+                start_s, end_s = self.d2h_link.copy(stream, nbytes)
+            elif destination_block is not None and source_block is None:
+                start_s, end_s = self.h2d_link.copy(stream, nbytes)
+            else:
+                start_s, end_s = stream.launch(2 * nbytes / self.model.memory_bytes_per_s + self.model.launch_latency_s)
+            if source_block is not None:
+                host_key = storage_key(destination.untyped_storage()) if destination_block is None else None
+                self.hazards.access(source_block, stream, start_s, end_s, False, "a copy reading its source",
+                                    copied_to=host_key)
+            elif destination_block is not None:
+                self.hazards.read_host(storage_key(source.untyped_storage()), "a host-to-device copy")
+            if destination_block is not None:
+                self.hazards.access(destination_block, stream, start_s, end_s, True, "a copy writing its destination")
+            with self.host_side():
+                destination.copy_(source)
+            self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
 
     def run_op(self, func, args: tuple, kwargs: dict):
         """Run one op as the device would: the host queues it (host clock), its new blocks are allocated
@@ -262,52 +268,54 @@ class SimulatedBackend:
             if self.op_times_s is not None:
                 self.op_times_s.append(0.0)  # (host-side work: no kernel)
             return out
-        self._host_work()
-        self.hazards.raise_pending()
-        stream = self.current_stream()
+        with self._rlock:
+            self._host_work()
+            self.hazards.raise_pending()
+            stream = self.current_stream()
         if self.meta_tensors and func is _aten._local_scalar_dense.default and args[0].device.type == "meta":
             raise RuntimeError(
                 "the program reads a value of a meta tensor (.item(), a Python bool or int of a tensor, or a shape "
                 "that depends on data): meta tensors hold sizes only (device.meta_tensors: true). Run such code on "
                 "real tensors, or keep it out of the simulated step (NOTE [Meta tensors])")
         out = func(*args, **kwargs)
-        self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
-        self.op_index += 1
-        device_type = self.tensor_device
-        outputs = _strided(tensor_leaves(out), device_type)
-        inputs = None
-        if outputs:
-            allocator = self.allocator
-            if func in FRESH_FROM_DATA:
-                fresh = allocator.new_storages(outputs, set)
-            else:
-                inputs = _strided(tensor_leaves((args, kwargs)), device_type)
-                fresh = allocator.new_storages(outputs, lambda: {storage_key(t.untyped_storage()) for t in inputs})
-            if fresh:
-                try:
-                    allocator.allocate(fresh, stream, str(func), self.op_index)
-                except torch.OutOfMemoryError:
-                    del out, outputs, fresh  # the op's outputs never reach anyone (the error's frames hold this one)
-                    raise
-        if outputs and stream is not self.compute_stream:
-            self.engine.note_outputs(outputs, stream)
-        if func in _NO_KERNEL:
+        with self._rlock:  # (the kernel itself ran outside it: threads compute in parallel)
+            self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
+            self.op_index += 1
+            device_type = self.tensor_device
+            outputs = _strided(tensor_leaves(out), device_type)
+            inputs = None
+            if outputs:
+                allocator = self.allocator
+                if func in FRESH_FROM_DATA:
+                    fresh = allocator.new_storages(outputs, set)
+                else:
+                    inputs = _strided(tensor_leaves((args, kwargs)), device_type)
+                    fresh = allocator.new_storages(outputs, lambda: {storage_key(t.untyped_storage()) for t in inputs})
+                if fresh:
+                    try:
+                        allocator.allocate(fresh, stream, str(func), self.op_index)
+                    except torch.OutOfMemoryError:
+                        del out, outputs, fresh  # its outputs never reach anyone (the error's frames hold this one)
+                        raise
+            if outputs and stream is not self.compute_stream:
+                self.engine.note_outputs(outputs, stream)
+            if func in _NO_KERNEL:
+                if self.op_times_s is not None:
+                    self.op_times_s.append(0.0)
+                return out
+            kernel_s = self.cost.kernel_s(func, args, kwargs, out)
             if self.op_times_s is not None:
-                self.op_times_s.append(0.0)
+                self.op_times_s.append(0.0 if kernel_s is None else kernel_s)
+            if kernel_s is not None:
+                start_s, end_s = stream.launch(kernel_s)
+                self.kernels += 1
+                self.kernel_busy_s += kernel_s
+                if self.hazards.enabled:
+                    self._check_kernel(func, stream, start_s, end_s, inputs if inputs is not None else
+                                       _strided(tensor_leaves((args, kwargs)), device_type), outputs)
+            if self.cost.is_host_sync(func, args, kwargs):
+                self.clock.wait_for(stream.ready_s)  # e.g. .item(): the host waits for the value
             return out
-        kernel_s = self.cost.kernel_s(func, args, kwargs, out)
-        if self.op_times_s is not None:
-            self.op_times_s.append(0.0 if kernel_s is None else kernel_s)
-        if kernel_s is not None:
-            start_s, end_s = stream.launch(kernel_s)
-            self.kernels += 1
-            self.kernel_busy_s += kernel_s
-            if self.hazards.enabled:
-                self._check_kernel(func, stream, start_s, end_s, inputs if inputs is not None else
-                                   _strided(tensor_leaves((args, kwargs)), device_type), outputs)
-        if self.cost.is_host_sync(func, args, kwargs):
-            self.clock.wait_for(stream.ready_s)  # e.g. .item(): the host waits for the value
-        return out
 
     def _check_kernel(self, func, stream: SimStream, start_s: float, end_s: float, inputs, outputs) -> None:
         block_of = self.allocator.block_of

@@ -24,6 +24,7 @@ eagerly on the CPU when the work is queued: values are exact, and the hazard che
 from __future__ import annotations
 
 import math
+import threading
 
 _INSTANT = math.inf
 
@@ -39,6 +40,9 @@ class DeviceClock:
         self.host_s = 0.0
         self.streams: list[SimStream] = []
         self.capturing = False  # a CUDA graph is being captured: events and streams may not be queried
+        # every stream's, link's and the host's time change under this lock: threads share the device (NOTE
+        # [Threads and locks] in device/locking.py; the backend's and the device's lock are this one)
+        self.lock = threading.RLock()
 
     def refuse_under_capture(self, what: str) -> None:
         """CUDA refuses a query or a host wait while a stream is capturing (and invalidates the capture)."""
@@ -48,12 +52,14 @@ class DeviceClock:
                 "cudaErrorStreamCaptureUnsupported and invalidates the capture")
 
     def advance_host(self, seconds: float) -> None:
-        self.host_s += seconds
+        with self.lock:
+            self.host_s += seconds
 
     def wait_for(self, device_s: float) -> None:
         """The host blocks until the device reaches ``device_s``."""
-        if device_s > self.host_s:
-            self.host_s = device_s
+        with self.lock:
+            if device_s > self.host_s:
+                self.host_s = device_s
 
     def device_idle_s(self) -> float:
         """When every stream's queued work has run."""
@@ -82,19 +88,22 @@ class SimStream:
 
     def launch(self, duration_s: float) -> tuple[float, float]:
         """Queue work of ``duration_s`` device seconds; returns its (start, end) on the device timeline."""
-        start_s = self.start_s()
-        end_s = start_s + duration_s
-        self.ready_s = end_s
-        self.busy_s += duration_s
+        with self.clock.lock:
+            start_s = self.start_s()
+            end_s = start_s + duration_s
+            self.ready_s = end_s
+            self.busy_s += duration_s
         return start_s, end_s
 
     def wait_event(self, event: "SimEvent") -> None:
-        if event.time_s is not None and event.time_s > self.ready_s:
-            self.ready_s = max(event.time_s, self.clock.host_s)
+        with self.clock.lock:
+            if event.time_s is not None and event.time_s > self.ready_s:
+                self.ready_s = max(event.time_s, self.clock.host_s)
 
     def wait_stream(self, other: "SimStream") -> None:
-        if other.ready_s > self.ready_s:
-            self.ready_s = max(other.ready_s, self.clock.host_s)
+        with self.clock.lock:
+            if other.ready_s > self.ready_s:
+                self.ready_s = max(other.ready_s, self.clock.host_s)
 
     def synchronize(self) -> None:
         self.clock.refuse_under_capture("the host waited for a stream")
@@ -164,15 +173,16 @@ class SimLink:
 
     def copy(self, stream: SimStream, nbytes: int) -> tuple[float, float]:
         """Queue a copy of ``nbytes`` on ``stream`` over this link; returns its (start, end)."""
-        start_s = max(stream.start_s(), self.ready_s)
-        duration_s = self.transfer_s(nbytes, start_s)
-        end_s = start_s + duration_s
-        stream.ready_s = end_s
-        stream.busy_s += duration_s
-        self.ready_s = end_s
-        self.busy_s += duration_s
-        self.copied_bytes += nbytes
-        self.copies += 1
+        with stream.clock.lock:
+            start_s = max(stream.start_s(), self.ready_s)
+            duration_s = self.transfer_s(nbytes, start_s)
+            end_s = start_s + duration_s
+            stream.ready_s = end_s
+            stream.busy_s += duration_s
+            self.ready_s = end_s
+            self.busy_s += duration_s
+            self.copied_bytes += nbytes
+            self.copies += 1
         return start_s, end_s
 
 
