@@ -298,9 +298,10 @@ class Chameleon:
             iteration_s_lag=iteration_s_lag, **self._measured_fields(running),
         )
         logger.debug("%s", self.last_report)
+        self.device.host_pool.log_pageable_fallbacks(self._iteration)  # (NOTE [A fragmented arena], host_pool.py)
         if stage == Stage.WARMUP and self.config.enabled and counters.swap_out_bytes:
-            # once, outside the save path: page-locked host memory for what WarmUp swapped (host_pool.py)
-            self.device.host_pool.reserve_arena(counters.swap_out_bytes)
+            # once, outside the save path: page-locked host memory for the most bytes WarmUp held on the host at once
+            self.device.host_pool.reserve_arena(self.device.host_pool.peak_in_use_aligned_bytes)
 
     def _policy_settings(self) -> PolicySettings:
         """What the controller generates policies for: this runtime's budget, device link and host pool."""

@@ -3,9 +3,9 @@
 Page-locking (``cudaHostRegister``) costs time on the host and, where it fails, leaves an error behind (see
 ``PinnedHostAllocator`` in ``device/cuda.py``). Registering one buffer per new size puts it in the save path
 whenever the sizes change (a new sequence length, a new micro-batch count). The arena is reserved once,
-after the first WarmUp iteration, sized from what that iteration swapped and bounded by the host budget
-(``HostBufferPool.reserve_arena``); from then on a buffer of any size that fits is a slice of it, and giving
-one back (its storage dies) returns its range. Nothing here names CUDA: the region is registered by the
+after the first WarmUp iteration, sized from the most bytes its host buffers held at once and bounded by
+the host budget (``HostBufferPool.reserve_arena``); from then on a buffer of any size that fits is a slice of
+it, and giving one back (its storage dies) returns its range. Nothing here names CUDA: the region is registered by the
 caller, and the arena knows only byte ranges.
 
 Each buffer is its own tensor and storage (``torch.frombuffer`` over a slice of the region), so the host

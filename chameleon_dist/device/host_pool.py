@@ -21,6 +21,18 @@ An allocator that can pre-reserve (``reserve_arena``: the CUDA device's pinned a
 ``HostArena`` from ``reserve_arena``, once, after the first WarmUp iteration: new buffers are then slices
 of it (no page-locking in the save path when sizes change); its unlent bytes count as reserved, so the
 budget still bounds everything held from the host. Only a buffer the arena cannot hold is allocated apart.
+``reserve_arena`` is given the most bytes the host buffers held at once (``peak_in_use_aligned_bytes``, each
+buffer 512-aligned as the arena lends it), not the iteration's total swapped bytes (micro-batches x peak).
+
+NOTE [A fragmented arena]
+When the arena's free bytes would hold a request but no free range does (buffers of changing sizes died in
+another order), the pool lends a pageable buffer for that one copy (``pageable_fallbacks``, counted and
+logged by the runtime per iteration) instead of evicting idle buffers that hold no range it could use and
+then refusing. Such a buffer stands in for the arena's free bytes, which it cannot use while fragmented:
+it counts in ``in_use_bytes`` and the arena's free bytes count less by as much, so ``reserved_bytes`` stays
+what the budget allowed; the pageable buffers in use never exceed the arena's free bytes. It is freed when
+released (never cached): the next copy tries the arena again. Idle buffers are evicted for the arena only
+while its free bytes are short of the request.
 """
 
 from __future__ import annotations
@@ -32,8 +44,9 @@ from typing import Callable
 
 import torch
 
-from chameleon_dist.device.host_arena import HostArena
+from chameleon_dist.device.host_arena import ALIGNMENT_BYTES, HostArena
 from chameleon_dist.device.host_lock import DeferringLock
+from chameleon_dist.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +60,11 @@ WINDOW_CYCLES = 16
 
 REUSE_SLACK_FRACTION = 0.125
 """An idle buffer up to this fraction larger than a request may serve it (as a view of its start)."""
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` as the arena lends it: rounded up to ``ALIGNMENT_BYTES``."""
+    return -(-nbytes // ALIGNMENT_BYTES) * ALIGNMENT_BYTES
 
 
 def host_key(buffer: torch.Tensor) -> int:
@@ -101,6 +119,13 @@ class HostBufferPool:
         self.evicted_bytes = 0
         self.arena: HostArena | None = None
         self.arena_attempted = False
+        self.in_use_aligned_bytes = 0  # in use, each buffer rounded up as the arena would lend it
+        self.peak_in_use_aligned_bytes = 0  # the arena's size (reserve_arena)
+        self._pageable: dict[int, int] = {}  # host_key -> bytes of each pageable fallback lent (NOTE [A fragmented arena])
+        self.pageable_in_use_bytes = 0
+        self.pageable_fallbacks = 0
+        self.pageable_fallback_bytes = 0
+        self._fallbacks_logged = self._fallback_bytes_logged = 0
 
     def adopt_budget(self, budget_bytes: int | None) -> None:
         """Take ``budget_bytes`` as the budget of a pool made without one (a device built before its runtime's
@@ -114,7 +139,7 @@ class HostBufferPool:
     @property
     def reserved_bytes(self) -> int:
         """Bytes the pool holds from the host: buffers in use, cached free ones, and the arena's unlent bytes."""
-        arena_free_bytes = 0 if self.arena is None else self.arena.free_bytes
+        arena_free_bytes = 0 if self.arena is None else max(self.arena.free_bytes - self.pageable_in_use_bytes, 0)
         return self.in_use_bytes + self.cached_bytes + arena_free_bytes
 
     def reserve_arena(self, nbytes: int) -> int:
@@ -136,6 +161,19 @@ class HostBufferPool:
             self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
         return 0 if arena is None else arena.capacity_bytes
 
+    def log_pageable_fallbacks(self, iteration: int) -> int:
+        """Log the pageable fallbacks since the last call (NOTE [A fragmented arena]); returns their number."""
+        with self._lock:
+            count = self.pageable_fallbacks - self._fallbacks_logged
+            nbytes = self.pageable_fallback_bytes - self._fallback_bytes_logged
+            self._fallbacks_logged, self._fallback_bytes_logged = self.pageable_fallbacks, self.pageable_fallback_bytes
+        if count:
+            logger.info("iteration %d: %d host buffer%s (%s) pageable for one copy: the pinned arena of %s was "
+                        "fragmented (%s in all so far); synchronous copies, slower, never wrong", iteration, count,
+                        "" if count == 1 else "s", format_bytes(nbytes),
+                        format_bytes(0 if self.arena is None else self.arena.capacity_bytes), self.pageable_fallbacks)
+        return count
+
     @property
     def idle_cap_bytes(self) -> int:
         """The most idle bytes kept now: ``idle_cap_factor`` x the recent peak in use."""
@@ -156,6 +194,8 @@ class HostBufferPool:
             sliced = self._take_arena_locked(nbytes)
             if sliced is not None:
                 return sliced
+            if self._arena_fragmented_for_locked(nbytes):
+                return self._pageable_fallback_locked(nbytes)
             if self.budget_bytes is not None and self.reserved_bytes + nbytes > self.budget_bytes:
                 self._evict_locked(self.reserved_bytes + nbytes - self.budget_bytes)
                 sliced = self._take_arena_locked(nbytes)  # evicted slices went back to the arena
@@ -171,6 +211,7 @@ class HostBufferPool:
         except BaseException:
             with self._lock:
                 self.in_use_bytes -= nbytes
+                self.in_use_aligned_bytes -= _aligned(nbytes)
             raise
 
     def release(self, buf: torch.Tensor) -> None:
@@ -185,6 +226,12 @@ class HostBufferPool:
                 base = buf
             nbytes = base.numel()
             self.in_use_bytes -= nbytes
+            self.in_use_aligned_bytes -= _aligned(nbytes)
+            pageable_bytes = self._pageable.pop(host_key(base), None) if nbytes else None
+            if pageable_bytes is not None:  # freed, not cached (NOTE [A fragmented arena])
+                self.pageable_in_use_bytes -= pageable_bytes
+                self._end_cycle_if_idle_locked()
+                return
             self.cached_bytes += nbytes
             self._stamp += 1
             self._idle[self._stamp] = (nbytes, base)
@@ -193,9 +240,7 @@ class HostBufferPool:
                 stamps = self._idle_by_size[nbytes] = collections.deque()
                 bisect.insort(self._idle_sizes, nbytes)
             stamps.append(self._stamp)
-            if self.in_use_bytes == 0:  # a cycle of use ended
-                self._recent_peaks_bytes.append(self._cycle_peak_bytes)
-                self._cycle_peak_bytes = 0
+            self._end_cycle_if_idle_locked()
             over_bytes = self.cached_bytes - self.idle_cap_bytes
             if over_bytes > 0:
                 self._evict_locked(over_bytes)
@@ -206,8 +251,32 @@ class HostBufferPool:
             return self._evict_locked(self.cached_bytes)
 
     # ---- internals (called with the lock held) ----------------------------------------------
+    def _end_cycle_if_idle_locked(self) -> None:
+        if self.in_use_bytes == 0:  # a cycle of use ended
+            self._recent_peaks_bytes.append(self._cycle_peak_bytes)
+            self._cycle_peak_bytes = 0
+
+    def _arena_fragmented_for_locked(self, nbytes: int) -> bool:
+        """The arena's free bytes, less what pageable fallbacks stand in for, would hold ``nbytes`` but no
+        free range does (NOTE [A fragmented arena])."""
+        if self.arena is None or nbytes <= 0:
+            return False
+        return self.arena.free_bytes - self.pageable_in_use_bytes >= _aligned(nbytes)
+
+    def _pageable_fallback_locked(self, nbytes: int) -> torch.Tensor:
+        """A pageable buffer for one copy, in place of the fragmented arena's free bytes."""
+        buffer = plain_host_allocator(nbytes)
+        self._pageable[host_key(buffer)] = _aligned(nbytes)
+        self.pageable_in_use_bytes += _aligned(nbytes)
+        self.pageable_fallbacks += 1
+        self.pageable_fallback_bytes += nbytes
+        self._note_in_use_locked(nbytes)
+        return buffer
+
     def _note_in_use_locked(self, nbytes: int) -> None:
         self.in_use_bytes += nbytes
+        self.in_use_aligned_bytes += _aligned(nbytes)
+        self.peak_in_use_aligned_bytes = max(self.peak_in_use_aligned_bytes, self.in_use_aligned_bytes)
         self._cycle_peak_bytes = max(self._cycle_peak_bytes, self.in_use_bytes)
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
@@ -218,8 +287,9 @@ class HostBufferPool:
         if self.arena is None:
             return None
         buffer = self.arena.take(nbytes)
-        while buffer is None and self._idle and self.arena.capacity_bytes >= nbytes:
-            self._evict_locked(1)  # the oldest idle buffer
+        while buffer is None and self._idle and self.arena.free_bytes - self.pageable_in_use_bytes < _aligned(nbytes) \
+                and self.arena.capacity_bytes >= nbytes:
+            self._evict_locked(1)  # the oldest idle buffer: its range goes back (fragmented: NOTE [A fragmented arena])
             buffer = self.arena.take(nbytes)
         if buffer is not None:
             self._note_in_use_locked(nbytes)
