@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from chameleon_dist import Chameleon, EmulatedDevice
 from chameleon_dist.device.locking import SharedLock
@@ -218,3 +219,43 @@ def test_a_finalizer_never_waits_for_a_lock_another_thread_holds():
     with lock:
         lock.run_or_defer(ran.append, "on the holder's thread")  # re-entrant: runs now
         assert ran[-1] == "on the holder's thread"
+
+
+def test_a_thread_short_of_memory_while_another_relieves_is_relieved_too():
+    """Relief is refused to the ops of relief itself (they must not re-enter it), not to another thread's op that
+    runs short meanwhile: that one waits its turn (the executor's lock), is relieved and runs again."""
+    mib = 2**20
+    device = EmulatedDevice(4 * mib + 1024)
+    with device.active():
+        held = [torch.empty(mib, dtype=torch.uint8) for _ in range(4)]  # the device is full
+    in_relief, go_on = threading.Event(), threading.Event()
+    relieved_on = []
+
+    def handler(short_bytes):
+        relieved_on.append(threading.current_thread().name)
+        if len(relieved_on) == 1:  # the first relief takes long: the other thread runs short meanwhile
+            in_relief.set()
+            assert go_on.wait(30)
+        held.pop()
+        return mib
+
+    device.set_pressure_handler(handler)
+
+    def first(barrier):
+        barrier.wait()
+        with device.active():
+            torch.empty(mib, dtype=torch.uint8).fill_(1)
+
+    def second():
+        assert in_relief.wait(30)
+        try:
+            _push_mode(device.dispatch)  # the iteration's state, as autograd hands it to its device threads
+            try:
+                torch.empty(mib, dtype=torch.uint8).fill_(2)
+            finally:
+                _pop_mode()
+        finally:
+            go_on.set()
+
+    _run_together(second, first)
+    assert len(relieved_on) == 2 and len(set(relieved_on)) == 2 and len(held) == 2  # each relieved once

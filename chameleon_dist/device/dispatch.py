@@ -18,6 +18,7 @@ a CUDA graph is captured, and any op while relief itself runs (its own ops do no
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,10 +48,19 @@ class DeviceDispatch(TorchDispatchMode):
         super().__init__()
         self.backend = backend
         self.handler: PressureHandler | None = None
-        self.relieving = False
+        self._relief = threading.local()  # ``relieving``, per thread: another thread short meanwhile waits its turn
         self.relieved_ops = 0  # ops that ran out of memory, were relieved and ran again
         self.relief_freed_bytes = 0
         self.producers = ProducerStreams()  # NOTE [Producer and reader streams] in producers.py
+
+    @property
+    def relieving(self) -> bool:
+        """This thread runs relief now (its ops do not re-enter it; NOTE [Threads and locks] in locking.py)."""
+        return getattr(self._relief, "active", False)
+
+    @relieving.setter
+    def relieving(self, active: bool) -> None:
+        self._relief.active = active
 
     def __enter__(self):
         self.producers.begin(self.backend.current_stream())
