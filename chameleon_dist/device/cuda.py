@@ -30,13 +30,24 @@ _CUDA_HOST_REGISTER_PORTABLE = 1
 LOCAL_RANK_ENV = "LOCAL_RANK"
 
 
-def _unregister_host_memory(address: int) -> None:
+def _unregister_then_close(address: int, region: mmap.mmap, clear_last_error: Callable[[], None]) -> None:
+    """A finaliser (of the last owner of a registered region): ``cudaHostUnregister`` while ``region`` is still
+    mapped (this finaliser holds it), then close it. A failed unregister leaves CUDA's last error set for this
+    thread: read back at once (NOTE [A failed cudaHostRegister]). Never raises."""
     try:
         error = int(torch.cuda.cudart().cudaHostUnregister(address))
     except Exception:  # noqa: BLE001 - a finaliser must not raise (e.g. at interpreter shutdown)
-        return
+        error = 0
     if error != 0:
         logger.debug("cudaHostUnregister(%#x) returned cudaError %d", address, error)
+        try:
+            clear_last_error()
+        except Exception:  # noqa: BLE001 - as above
+            logger.debug("could not read back the error cudaHostUnregister left", exc_info=True)
+    try:
+        region.close()
+    except BufferError:  # a view of it is still being released: unmapped when that goes (unregistered already)
+        pass
 
 
 class PinnedHostAllocator:
@@ -73,6 +84,7 @@ class PinnedHostAllocator:
         if region is None:
             return self._fallback(nbytes)
         buffer = torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+        self._unregister_when_gone(buffer.untyped_storage(), region, address)
         self.registered_buffers += 1
         return buffer
 
@@ -81,15 +93,17 @@ class PinnedHostAllocator:
         when pinning failed (then every buffer is pageable, see NOTE [A failed cudaHostRegister])."""
         if self.pinning_failed or nbytes <= 0:
             return None
-        region, _address = self._registered_region(nbytes)
+        region, address = self._registered_region(nbytes)
         if region is None:
             return None
         logger.info("reserved %s of page-locked host memory for swapped tensors (one registration)",
                     format_bytes(len(region)))
-        return HostArena(region, nbytes)
+        arena = HostArena(region, nbytes)
+        self._unregister_when_gone(arena, region, address)  # (each buffer's finaliser holds the arena)
+        return arena
 
     def _registered_region(self, nbytes: int) -> tuple[mmap.mmap | None, int]:
-        """An anonymous mapping of whole pages holding ``nbytes``, registered, and unregistered once it dies."""
+        """An anonymous mapping of whole pages holding ``nbytes``, registered (``_unregister_when_gone``)."""
         region_bytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         region = mmap.mmap(-1, region_bytes)
         probe = torch.frombuffer(region, dtype=torch.uint8, count=1)
@@ -107,9 +121,13 @@ class PinnedHostAllocator:
             )
             region.close()
             return None, 0
-        finalizer = weakref.finalize(region, _unregister_host_memory, address)
-        finalizer.atexit = False  # never call into CUDA after its context is gone
         return region, address
+
+    def _unregister_when_gone(self, owner: object, region: mmap.mmap, address: int) -> None:
+        """Unregister ``region`` then close it once ``owner`` (what holds every view of it) is gone. Not a
+        finaliser of the region itself: that runs after its mapping is gone."""
+        finalizer = weakref.finalize(owner, _unregister_then_close, address, region, self._clear_last_error)
+        finalizer.atexit = False  # never call into CUDA after its context is gone
 
     def _clear_last_error(self) -> None:
         """Read back (and so reset) this thread's CUDA error (NOTE [A failed cudaHostRegister])."""
