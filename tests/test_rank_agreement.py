@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.errors import ConfigError
-from chameleon_dist.rank_agreement import agree_on_settings, canonical_settings, differences
+from chameleon_dist.integrations.rank_agreement import agree_on_settings, canonical_settings, differences
 
 
 def _ranks(configs, store=None, wait_s=30.0, absent=()):
