@@ -1,6 +1,8 @@
-"""The GPU check (``launch/gpu_check.py``): its dry run on the CPU runs every part's Python (the gpu-marked tests,
-two-rank Megatron and DeepSpeed jobs with and without Chameleon, bench_gpu's dry run) and writes one JSON;
-``launch/cuda_ranks.py`` gives each rank its GPU and backend."""
+"""The GPU check (``launch/gpu_check.py``): its dry run on the CPU runs every part's Python (the preflight, the
+gpu-marked tests plain and under the stream sanitizer, the probes on the emulated device, two-rank Megatron and
+DeepSpeed jobs with and without Chameleon, bench_gpu's dry run) and writes one JSON; a missing module ends it
+before any part; a part past its limit ends with every process it started; ``launch/cuda_ranks.py`` gives each
+rank its GPU and backend."""
 
 from __future__ import annotations
 
@@ -45,26 +47,128 @@ def test_without_cuda_it_asks_for_the_dry_run(tmp_path, capsys):
     assert "--dry-run" in capsys.readouterr().err
 
 
-@pytest.mark.multirank  # (two-rank jobs: NOTE [The multi-rank tier] in tests/conftest.py)
-def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "launch.gpu_check", "--out", str(tmp_path), "--dry-run"],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+SINGLE_PROCESS_PARTS = ["gpu_tests", "probes", "gpu_tests_sanitized", "bench_gpu"]
+RANK_PARTS = ["megatron_2rank", "deepspeed_2rank"]
+
+
+def _dry_run(tmp_path, parts: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-m", "launch.gpu_check", "--out", str(tmp_path), "--dry-run",
+                           "--parts", ",".join(parts)], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert [p.name for p in tmp_path.iterdir()] == ["gpu_check.json"]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["dry_run"] and result["emulated"] and result["ok"]
-    parts = result["parts"]
-    assert list(parts) == ["gpu_tests", "megatron_2rank", "deepspeed_2rank", "bench_gpu"]
-    counts = parts["gpu_tests"]["counts"]
-    assert counts["tests"] > 0 and counts["skipped"] == counts["tests"] and not counts["failures"]  # no GPU here
-    for name in ("megatron_2rank", "deepspeed_2rank"):
+    assert result["preflight"]["ok"] and result["preflight"]["carry"] == []
+    assert list(result["parts"]) == parts
+    return result
+
+
+def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated_device(tmp_path):
+    """The dry run's part without ranks (the rank jobs: the multirank test below): the gpu tests plain and under
+    the sanitizer (skipped here), every probe, bench_gpu."""
+    parts = _dry_run(tmp_path, SINGLE_PROCESS_PARTS)["parts"]
+    for name in ("gpu_tests", "gpu_tests_sanitized"):
+        counts = parts[name]["counts"]
+        assert counts["tests"] > 0 and counts["skipped"] == counts["tests"] and not counts["failures"]  # no GPU here
+    assert parts["gpu_tests_sanitized"]["sanitizer_enabled"] and "sanitizer_enabled" not in parts["gpu_tests"]
+    probes = parts["probes"]["results"]
+    assert probes["emulated"] and list(probes["probes"]) == ["relief_enforced", "side_stream_batchnorm",
+                                                             "pinned_buffers", "copy_rates", "host_time_per_op"]
+    relief = probes["probes"]["relief_enforced"]["attempts"][-1]
+    assert relief["relieved_ops"] > 0 and relief["oom_retries"] == 0 and relief["bit_identical"] and not relief["error"]
+    assert relief["capacity_bytes"] < max(relief["peaks_bytes"]) + probes["probes"]["relief_enforced"]["activation_peak_bytes"]
+    side = probes["probes"]["side_stream_batchnorm"]
+    assert side["bit_identical"] and side["swap_out_bytes"] > 0 and "stable" in side["stages"]
+    assert side["state_equal"] == side["state_compared"] > 0  # parameters and BatchNorm's running statistics
+    assert probes["probes"]["pinned_buffers"]["modelled"] is False  # the emulated device does not model pinning
+    rates = probes["probes"]["copy_rates"]
+    assert rates["preset"] == "h200" and set(rates["measured"]) == set(rates["preset_figures"]) == {
+        "d2h_bytes_per_s", "h2d_bytes_per_s", "duplex_d2h_bytes_per_s", "duplex_h2d_bytes_per_s"}
+    host = probes["probes"]["host_time_per_op"]
+    assert host["stable_iterations"] > 0 and host["ops_per_iteration"] > 0 and host["bit_identical"]
+    assert "added_host_s_per_op" in host
+    bench = parts["bench_gpu"]["results"]
+    assert bench["emulated"] and "chameleon_swap" in bench["variants"]
+
+
+@pytest.mark.multirank  # (two-rank jobs: NOTE [The multi-rank tier] in tests/conftest.py)
+def test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_identically(tmp_path):
+    parts = _dry_run(tmp_path, RANK_PARTS)["parts"]
+    for name in RANK_PARTS:
         part = parts[name]
         assert part["comparison"]["bit_identical"], name
         assert [run["returncode"] for run in part["runs"].values()] == [0, 0], name
         assert len(part["stages_per_rank"]) == 2 and all(len(s) == 4 for s in part["stages_per_rank"]), name
     assert parts["megatron_2rank"]["layout"]["tp"] == 2 and parts["deepspeed_2rank"]["zero_stage"] == 2
-    bench = parts["bench_gpu"]["results"]
-    assert bench["emulated"] and "chameleon_swap" in bench["variants"]
+
+
+def test_a_missing_module_ends_the_check_before_any_part_naming_what_to_carry(tmp_path, monkeypatch, capsys):
+    from launch import gpu_preflight
+
+    missing = "no_such_distribution_for_the_check"
+    monkeypatch.setitem(gpu_preflight.PART_MODULES, "bench_gpu", ("launch.bench_gpu", missing))
+    assert gpu_check.main(["--out", str(tmp_path), "--dry-run", "--parts", "gpu_tests,bench_gpu"]) == 2
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["parts"] == {} and not result["ok"]  # nothing ran
+    preflight = result["preflight"]
+    assert preflight["carry"] == [missing] and preflight["missing_by_part"] == {"gpu_tests": [], "bench_gpu": [missing]}
+    assert f"missing distributions: {missing} (needed by bench_gpu)" in preflight["message"]
+    assert "launch/gpu_wheels.sh" in preflight["message"] and preflight["message"] in capsys.readouterr().out
+
+
+def _requirements(distribution: str) -> set[str]:
+    import importlib.metadata
+    import re
+
+    return {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0] for r in importlib.metadata.requires(distribution) or ()
+            if "extra ==" not in r}
+
+
+def test_deepspeeds_and_megatrons_requirements_are_preflighted_and_carried():
+    """Every requirement of DeepSpeed and megatron-core but PyTorch (the image's) is imported by the preflight of
+    the part that runs it and downloaded by launch/gpu_wheels.sh (einops and msgpack were not)."""
+    from launch import gpu_preflight
+
+    pytest.importorskip("deepspeed")
+    import re
+
+    script = (REPO / "launch" / "gpu_wheels.sh").read_text()
+    carried = set(re.search(r"for name in (.*?); do", script, re.S).group(1).replace("\\\n", " ").split())
+    imports = {name: module for module, name in gpu_preflight.DISTRIBUTIONS.items()}
+    for part, distribution in (("deepspeed_2rank", "deepspeed"), ("megatron_2rank", "megatron-core")):
+        needed = _requirements(distribution) - {"torch"}
+        assert needed, distribution
+        for name in needed:
+            assert imports.get(name, name.replace("-", "_")) in gpu_preflight.PART_MODULES[part], (part, name)
+            assert name in carried, f"launch/gpu_wheels.sh does not carry {name} ({distribution} needs it)"
+
+
+def test_carried_wheels_install_only_what_the_image_lacks_or_holds_older(tmp_path):
+    import importlib.metadata
+
+    from launch.carried_wheels import needed
+
+    installed = importlib.metadata.version("packaging")
+    files = ["packaging-1.0-py3-none-any.whl", f"packaging-{installed}-py3-none-any.whl",
+             "packaging-999.0-py3-none-any.whl", "no_such_distribution_x-1.0-py3-none-any.whl",
+             "Packaging-0.1.tar.gz", "Packaging-999.1.tar.gz"]
+    chosen = [p.name for p in needed([tmp_path / name for name in files])]
+    assert chosen == ["packaging-999.0-py3-none-any.whl", "no_such_distribution_x-1.0-py3-none-any.whl",
+                      "Packaging-999.1.tar.gz"]
+
+
+def test_copy_rates_are_the_devices_own_link_each_direction_and_both_at_once():
+    """The probe's measurement over the backend's streams and events reads the link of the device it is given:
+    a 4x faster H2D than D2H shows as 4x, and both directions at once are slower than either alone."""
+    from chameleon_dist.device.emulated import EmulatedDevice
+    from launch.gpu_probes import measure_copy_rates
+
+    device = EmulatedDevice(2**30, d2h_bytes_per_s=1e10, h2d_bytes_per_s=4e10, duplex_factor=0.5, host_op_s=1e-9,
+                            peak_flop_per_s=1e12, memory_bytes_per_s=1e12, launch_latency_s=1e-9)
+    rates = measure_copy_rates(device, 8 * 2**20)
+    assert rates["h2d_bytes_per_s"] / rates["d2h_bytes_per_s"] == pytest.approx(4.0, rel=0.01)
+    assert rates["duplex_d2h_bytes_per_s"] < rates["d2h_bytes_per_s"]
+    assert rates["duplex_h2d_bytes_per_s"] < rates["h2d_bytes_per_s"]
 
 
 def _alive(pid: int) -> bool:
