@@ -14,7 +14,8 @@ iterations are interleaved in rounds on one CUDA device:
 Chameleon gets ``device.capacity`` = the device bytes in use when an iteration starts (every variant's
 weights and gradients: they all share the GPU) + ``--budget-fraction`` x the no-swap run's peak above them
 (its activation memory, the part swapping can reduce), measured by a probe iteration before the rounds,
-and ``memory_budget: 1.0``. The link rates it plans with are measured once with pinned copies. Its
+and ``memory_budget: 1.0``. The link rates it plans with are measured once with pinned copies
+(``launch/gpu_probes.measure_copy_rates``, the GPU check's measurement). Its
 WarmUp and GenPolicy iterations run in untimed rounds (more while it is not in Stable, up to twice as many);
 then the timed rounds follow. The CUDA allocator does not enforce the capacity: the JSON says whether
 each iteration's peak stayed within it.
@@ -56,6 +57,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from launch.gpu_probes import measure_copy_rates
 from launch.harness import VariantSpec, config_of, rotated, run_benchmark
 from launch.saved_activations import SavedActivations
 from launch.toy_gpt import GPT
@@ -314,26 +316,6 @@ def _reset_process_peaks(cuda: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def measure_link(nbytes: int, repeats: int = 3) -> dict:
-    """Pinned host <-> device copy rates (bytes/s, best of ``repeats``), timed with CUDA events: what the
-    policy generator plans with (``device.d2h_bytes_per_s`` / ``device.h2d_bytes_per_s``)."""
-    device_buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rates = {}
-    for name, (dst, src) in {"d2h_bytes_per_s": (host, device_buffer), "h2d_bytes_per_s": (device_buffer, host)}.items():
-        best_s = float("inf")
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best_s = min(best_s, start.elapsed_time(end) / 1000.0)
-        rates[name] = nbytes / best_s
-    del device_buffer, host
-    return rates
-
-
 class Determinism:
     """``--determinism``: strict (``torch.use_deterministic_algorithms(True)``), warn (warn_only: flash
     attention's backward stays non-deterministic) or off. Strict falls back to warn when an op of the probe
@@ -375,8 +357,9 @@ def build(args: argparse.Namespace, shape: Shape) -> tuple[dict[str, Variant], d
     else:
         from chameleon_dist.device.cuda import CudaDevice
 
-        link = {**measure_link(args.link_probe_mib * MIB), "source": f"pinned copies of {args.link_probe_mib} MiB"}
         shared = CudaDevice()  # live and peak bytes of the whole GPU: every variant's are the same
+        link = {**measure_copy_rates(shared, args.link_probe_mib * MIB),  # (launch/gpu_probes.py: one measurement)
+                "source": f"pinned copies of {args.link_probe_mib} MiB"}
         meters = {spec.name: shared for spec in SPECS if spec.config is None}
     models = {spec.name: reference if spec.reference else copy.deepcopy(reference) for spec in SPECS}
     variants = {spec.name: Variant(spec, models[spec.name], args, meters[spec.name]) for spec in SPECS if spec.config is None}
