@@ -18,6 +18,10 @@ raises out-of-memory. In order, each step only when the previous ones freed too 
 
 In a multi-rank job these steps are all there is: an out-of-memory error cannot be retried by one rank
 alone (NOTE [One rank cannot retry alone] in integrations/megatron/install.py).
+
+Relief runs on whichever thread ran short (the iteration's, an autograd device thread), always under the
+executor's lock (``SwapExecutor.relieve_pressure``): one relief at a time, and never while another thread is
+half-way through a pack or unpack of the entries it walks (NOTE [Threads and locks] in device/locking.py).
 """
 
 from __future__ import annotations
