@@ -145,7 +145,7 @@ class Chameleon:
             raise ConfigError(problems)
         if device is not None and device.host_pool.budget_bytes is None and "host_memory_budget" in self.config.model_fields_set:
             # a device made without a host budget takes the config's (a different one is an error above)
-            device.host_pool.adopt_budget(self.config.host_memory_budget_bytes())
+            device.host_pool.adopt_budget(self.config.host_memory_budget_bytes(pinned=not device.emulated))
         self.memory_budget_bytes = self.config.memory_budget_bytes(self.device.capacity_bytes)
         self.executor = SwapExecutor(
             self.device, self.config.min_swap_bytes, prefetch_depth=self.config.executor.prefetch_depth,
@@ -187,7 +187,7 @@ class Chameleon:
     def _host_share(self) -> HostShare:
         """This rank's host budget and its source: the config's share of the node, or the passed device's own
         byte budget (per rank)."""
-        share = self.config.host_share()
+        share = self.config.host_share(pinned=not self.device.emulated)  # (CUDA page-locks: RLIMIT_MEMLOCK)
         budget_bytes = self.device.host_pool.budget_bytes
         if budget_bytes is not None and budget_bytes != share.per_rank_bytes:
             share = dataclasses.replace(share, budget=budget_bytes)

@@ -36,7 +36,7 @@ def _in_region(allocator, buffer):
     return start <= buffer.data_ptr() < start + len(allocator.regions[0])
 
 
-def test_the_arena_holds_the_most_bytes_in_host_buffers_at_once_not_the_iterations_total(fake_cuda, monkeypatch):  # noqa: F811
+def test_the_arena_holds_the_most_bytes_in_host_buffers_at_once_not_the_total(fake_cuda, monkeypatch):  # noqa: F811
     fake_cuda.cudart = CountingCudart()
     device = fake_cuda.make(host_memory_budget_bytes=64 * MiB, capacity_bytes=2**30)
     monkeypatch.setattr(device.backend, "is_device_tensor", lambda tensor: tensor.device.type == "cpu")

@@ -13,10 +13,15 @@ PAGE_BYTES = 4096
 
 
 @pytest.fixture
-def node(monkeypatch):
-    """A node of 128 GiB RAM; ``node(ranks)`` sets LOCAL_WORLD_SIZE."""
+def node(monkeypatch, tmp_path):
+    """A node of 128 GiB RAM (no cgroup memory limit, whatever this machine's); ``node(ranks)`` sets
+    LOCAL_WORLD_SIZE."""
+    from chameleon_dist.config import host_limits
+
     pages = 128 * GiB // PAGE_BYTES
     monkeypatch.setattr("os.sysconf", lambda name: {"SC_PHYS_PAGES": pages, "SC_PAGE_SIZE": PAGE_BYTES}[name])
+    for name in ("CGROUP_V2_MEMORY_MAX_PATH", "CGROUP_V1_LIMIT_PATH"):
+        monkeypatch.setattr(host_limits, name, str(tmp_path / "absent"))
 
     def ranks(count: int | str | None) -> None:
         if count is None:

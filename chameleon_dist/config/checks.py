@@ -94,7 +94,8 @@ def runtime_problems(config: Any, device: Any, *, device_passed: bool, host_tota
         host_pool = getattr(device, "host_pool", None)
         has_budget = host_pool is not None and host_pool.budget_bytes is not None  # (None: the runtime applies it)
         if host is None and has_budget and "host_memory_budget" in config.model_fields_set:
-            wanted = config.host_memory_budget_bytes(host_total_bytes)
+            pinned = not bool(getattr(device, "emulated", False))  # (the CUDA device page-locks: RLIMIT_MEMLOCK)
+            wanted = config.host_memory_budget_bytes(host_total_bytes, pinned=pinned)
             if wanted is not None and wanted != host_pool.budget_bytes:
                 has = _bytes(host_pool.budget_bytes)
                 problems.append(

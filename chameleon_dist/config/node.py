@@ -4,7 +4,9 @@ Every rank of a job pins its own host buffers, so ``host_memory_budget: auto`` a
 the node's RAM divided among the node's ranks (``LOCAL_WORLD_SIZE``, which torchrun and the deepspeed
 launcher set; 1 without it): eight ranks at ``auto`` pin half the node in all, not four times its memory.
 An explicit byte budget is per rank, as written; ``HostShare.node_problem`` says when the ranks together
-would pin more than half the node's RAM (the runtime warns once).
+would pin more than half the node's RAM (the runtime warns once). Inside a container the share is of the
+cgroup's memory limit when that is smaller, and a rank that page-locks its buffers takes at most
+``RLIMIT_MEMLOCK`` (``config/host_limits.py``); the start log line names the bound that applied.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 
 from chameleon_dist.config import sizes
 from chameleon_dist.config.errors import ConfigError
+from chameleon_dist.config.host_limits import HOST_RAM, RLIMIT_MEMLOCK
 
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 NODE_PINNED_FRACTION = 0.5
@@ -44,27 +47,48 @@ def local_world_size(environ: Mapping[str, str] | None = None) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HostShare:
-    """A rank's host budget and where it came from: ``budget`` as configured, the node's RAM (None:
-    unknown) and the ranks on the node. ``per_rank_bytes`` is None when a share of an unknown RAM was asked."""
+    """A rank's host budget and where it came from: ``budget`` as configured, the host memory the node's ranks
+    share (``node_ram_bytes``, None: unknown; the RAM, or the cgroup's limit: ``total_bound`` says which) and
+    the ranks on the node; ``memlock_bytes``: the most a rank may page-lock where it pins (None: no bound).
+    ``per_rank_bytes`` is None when a share of an unknown RAM was asked."""
 
     budget: sizes.Budget
     node_ram_bytes: int | None
     local_ranks: int
     auto_fraction: float
+    total_bound: str = HOST_RAM
+    memlock_bytes: int | None = None
+
+    @property
+    def bound(self) -> str:
+        """What bounded this rank's budget: "RLIMIT_MEMLOCK" when it cut the share, else ``total_bound``
+        (a byte budget: "host_memory_budget")."""
+        if not self.is_share:
+            return "host_memory_budget"
+        share = self._share_bytes()
+        if share is not None and self.memlock_bytes is not None and self.memlock_bytes < share:
+            return RLIMIT_MEMLOCK
+        return self.total_bound
 
     @property
     def is_share(self) -> bool:
         """True for "auto" and fractions (shares of the node), False for a byte budget (per rank)."""
         return not isinstance(self.budget, int)
 
-    @property
-    def per_rank_bytes(self) -> int | None:
-        if not self.is_share:
-            return int(self.budget)
+    def _share_bytes(self) -> int | None:
         if self.node_ram_bytes is None:
             return None
         return sizes.resolve_budget_bytes(self.budget, self.node_ram_bytes, self.auto_fraction,
                                           shares=self.local_ranks)
+
+    @property
+    def per_rank_bytes(self) -> int | None:
+        if not self.is_share:
+            return int(self.budget)
+        share = self._share_bytes()
+        if share is None or self.memlock_bytes is None:
+            return share
+        return min(share, self.memlock_bytes)
 
     @property
     def node_pinned_bytes(self) -> int | None:
@@ -82,8 +106,13 @@ class HostShare:
         else:
             fraction = self.auto_fraction if self.budget == sizes.AUTO else self.budget
             name = "auto" if self.budget == sizes.AUTO else "host_memory_budget"
-            source = (f"{name}: {fraction:.0%} of the node's {sizes.format_size(self.node_ram_bytes)} RAM / "
+            total = "the node's RAM" if self.total_bound == HOST_RAM else f"the {self.total_bound} limit"
+            source = (f"{name}: {fraction:.0%} of {total} {sizes.format_size(self.node_ram_bytes)} / "
                       f"{self.local_ranks} rank{'s' if self.local_ranks != 1 else ''} ({LOCAL_WORLD_SIZE_ENV})")
+            if self.bound == RLIMIT_MEMLOCK:
+                source += (f", cut to {RLIMIT_MEMLOCK} {sizes.format_size(self.memlock_bytes)} (raise it with "
+                           "ulimit -l to pin more)")
+            source += f"; bound: {self.bound}"
         return f"host memory budget {sizes.format_size(per_rank)} per rank ({source})"
 
     def node_problem(self) -> str | None:

@@ -8,9 +8,9 @@ such as ``"6GB"``; budgets also accept a fraction in (0, 1] and ``"auto"``. Valu
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from chameleon_dist.config import numbers, sizes
 from chameleon_dist.config.checks import SMALL_BUDGET_MAX, budget_over_total_problem, small_budget_problem
 from chameleon_dist.config.errors import CUSTOM_ERROR, ConfigError
+from chameleon_dist.config.host_limits import HostLimits, physical_memory_bytes, read_host_limits
 from chameleon_dist.config.node import HostShare, local_world_size
 
 if TYPE_CHECKING:
@@ -334,24 +335,32 @@ class ChameleonConfig(_Section):
         """The device budget in bytes for a device of ``capacity_bytes``."""
         return sizes.resolve_budget_bytes(self.memory_budget, capacity_bytes, AUTO_DEVICE_FRACTION)
 
-    def host_memory_budget_bytes(self, host_total_bytes: int | None = None, local_ranks: int | None = None) -> int | None:
+    def host_memory_budget_bytes(self, host_total_bytes: int | None = None, local_ranks: int | None = None, *,
+                                 pinned: bool = False, limits: HostLimits | None = None) -> int | None:
         """This rank's host budget in bytes (``host_share``). None when a share of the RAM is asked and the
         RAM cannot be read."""
-        share = self.host_share(host_total_bytes, local_ranks)
+        share = self.host_share(host_total_bytes, local_ranks, pinned=pinned, limits=limits)
         if share.per_rank_bytes is None:
             logger.warning("cannot read the host's RAM size: host_memory_budget %r is not enforced",
                            self.host_memory_budget)
         return share.per_rank_bytes
 
-    def host_share(self, host_total_bytes: int | None = None, local_ranks: int | None = None) -> HostShare:
-        """``host_memory_budget`` for one rank: "auto" and fractions are of ``host_total_bytes`` (default: this
-        node's physical RAM) divided among ``local_ranks`` (default: ``LOCAL_WORLD_SIZE``, else 1); a byte
-        budget is per rank as written (see ``config/node.py``)."""
+    def host_share(self, host_total_bytes: int | None = None, local_ranks: int | None = None, *,
+                   pinned: bool = False, limits: HostLimits | None = None) -> HostShare:
+        """``host_memory_budget`` for one rank, the one place it is resolved: "auto" and fractions are of
+        ``host_total_bytes`` (default: the smaller of this node's RAM and its cgroup's memory limit, from
+        ``limits``, default read now: ``config/host_limits.py``) divided among ``local_ranks`` (default:
+        ``LOCAL_WORLD_SIZE``, else 1), and, for a device that page-locks its host buffers (``pinned``: the
+        CUDA device), at most ``RLIMIT_MEMLOCK``; a byte budget is per rank as written (``config/node.py``)."""
         if local_ranks is None:
             local_ranks = local_world_size()
-        if host_total_bytes is None:
-            host_total_bytes = physical_memory_bytes()  # (for a byte budget: the node-wide warning only)
-        return HostShare(self.host_memory_budget, host_total_bytes, local_ranks, AUTO_HOST_FRACTION)
+        if limits is None:
+            limits = read_host_limits(host_total_bytes)
+        elif host_total_bytes is not None:
+            limits = dataclasses.replace(limits, ram_bytes=host_total_bytes)
+        shared_bytes, bound = limits.shared_bytes()  # (for a byte budget: the node-wide warning only)
+        return HostShare(self.host_memory_budget, shared_bytes, local_ranks, AUTO_HOST_FRACTION, total_bound=bound,
+                         memlock_bytes=limits.memlock_bytes if pinned else None)
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: Any) -> "ChameleonConfig":
@@ -367,16 +376,6 @@ class ChameleonConfig(_Section):
         from chameleon_dist.config.megatron_args import config_from_megatron_args
 
         return config_from_megatron_args(args)
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical RAM in bytes, or None where the OS does not say."""
-    try:
-        pages = os.sysconf("SC_PHYS_PAGES")
-        page_bytes = os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-    return pages * page_bytes if pages > 0 and page_bytes > 0 else None
 
 
 def validate_config(data: Any, *, source: str | Path | None = None, prefix: tuple[str, ...] = ()) -> ChameleonConfig:

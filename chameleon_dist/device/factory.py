@@ -33,7 +33,7 @@ def make_device(config: "ChameleonConfig") -> Device:
     kind = settings.kind
     if kind == "auto":
         kind = "cuda" if accelerator_is_cuda() and not settings.meta_tensors else "emulated"
-    host_budget_bytes = config.host_memory_budget_bytes()
+    host_budget_bytes = config.host_memory_budget_bytes(pinned=kind == "cuda")  # (page-locked: RLIMIT_MEMLOCK)
     if kind == "cuda":
         from chameleon_dist.device.cuda import CudaDevice
 

@@ -121,7 +121,7 @@ class HostBufferPool:
         self.arena_attempted = False
         self.in_use_aligned_bytes = 0  # in use, each buffer rounded up as the arena would lend it
         self.peak_in_use_aligned_bytes = 0  # the arena's size (reserve_arena)
-        self._pageable: dict[int, int] = {}  # host_key -> bytes of each pageable fallback lent (NOTE [A fragmented arena])
+        self._pageable: dict[int, int] = {}  # host_key -> aligned bytes lent pageable (NOTE [A fragmented arena])
         self.pageable_in_use_bytes = 0
         self.pageable_fallbacks = 0
         self.pageable_fallback_bytes = 0
