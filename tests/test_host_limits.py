@@ -127,4 +127,6 @@ def test_the_cuda_device_pins_at_most_the_memlock_limit(machine, fake_cuda, capl
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chameleon enabled")][0]
     assert "host memory budget 256MiB per rank" in line and "bound: RLIMIT_MEMLOCK" in line, line
     assert "ulimit -l" in line
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "RLIMIT_MEMLOCK" in warnings[0] and "host_memory_budget" in warnings[0], warnings
     assert emulated.device.host_pool.budget_bytes == 64 * GiB

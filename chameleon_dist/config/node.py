@@ -116,7 +116,12 @@ class HostShare:
         return f"host memory budget {sizes.format_size(per_rank)} per rank ({source})"
 
     def node_problem(self) -> str | None:
-        """The warning when the node's ranks together would pin more than half its RAM, else None."""
+        """The warning when the node's ranks together would pin more than half its RAM, or when
+        ``RLIMIT_MEMLOCK`` cut this rank's share (swapping may then barely work), else None."""
+        if self.bound == RLIMIT_MEMLOCK:
+            return (f"host_memory_budget: {self.budget!r} is {sizes.format_size(self._share_bytes())} per rank, cut "
+                    f"to {sizes.format_size(self.memlock_bytes)} by {RLIMIT_MEMLOCK} (what this process may "
+                    "page-lock); raise it (ulimit -l, docker --ulimit memlock=-1) to swap more to the host")
         total = self.node_pinned_bytes
         if total is None or self.node_ram_bytes is None or total <= NODE_PINNED_FRACTION * self.node_ram_bytes:
             return None
