@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any
 
+from launch.kill_point import kill_flags
 from chameleon_dist.config.megatron_args import add_megatron_args
 from chameleon_dist.config.sizes import parse_size_bytes
 
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "the op must absorb it: the job goes on).")
     run.add_argument("--squeeze-iteration", type=int, default=2)
     run.add_argument("--squeeze-bytes", type=parse_size_bytes, default=0, metavar="SIZE")
+    kill_flags(run)
     add_megatron_args(parser)
     return parser
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from launch import megatron_flags
 from launch.cuda_ranks import rank_cuda_setup
+from launch.kill_point import KillPoint
 from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
 
 from chameleon_dist.config.megatron_args import config_from_megatron_args
@@ -197,13 +198,18 @@ def loss_func(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.T
     return loss, {"lm loss": loss.detach().clone()}  # the schedule divides the returned loss in place
 
 
-def forward_step(fail: bool, squeeze: list, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+def forward_step(fail: bool, squeeze: list, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
+                 kill: KillPoint | None = None):
     batch = next(data_iterator)
+    if kill is not None:
+        kill.forward()
     if fail:
         raise RuntimeError("--fail-rank: this rank raises in its forward step, as a crashing rank would")
     if squeeze and isinstance(squeeze[0], int):  # --squeeze-rank: the tenant's memory, held by the caller's list
         squeeze[0] = torch.empty(squeeze[0], dtype=torch.uint8, device=batch["tokens"].device)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    if kill is not None:
+        kill.backward(output)
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
@@ -233,6 +239,8 @@ def train(args: argparse.Namespace) -> None:
             config.grad_scale_func = optimizer.scale_loss  # (as Megatron-LM: fp16's loss scale, 1 otherwise)
         chameleon = install(chunks, chameleon_config(args, on_cpu), optimizer=optimizer, cuda_literals_on_cpu=on_cpu)
         coordinates = chameleon.coordinates
+        kill = KillPoint(args, coordinates.rank)
+        kill.on_swap_in(chameleon.device)
         record = RankRecord(coordinates.to_dict(), chameleon.device.capacity_bytes)
         forward_backward = chameleon.wrap(get_forward_backward_func())
         last_stage = parallel_state.is_pipeline_last_stage()
@@ -245,10 +253,11 @@ def train(args: argparse.Namespace) -> None:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad(set_to_none=True)
             fail = args.fail_rank == coordinates.rank and args.fail_iteration == iteration + 1
+            kill.current = iteration + 1
             squeezed = args.squeeze_rank == coordinates.rank and args.squeeze_iteration == iteration + 1
             squeeze = [args.squeeze_bytes] if squeezed and args.squeeze_bytes else []
             reduced = forward_backward(
-                forward_step_func=functools.partial(forward_step, fail, squeeze), data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                forward_step_func=functools.partial(forward_step, fail, squeeze, kill=kill), data_iterator=iterators if len(chunks) > 1 else iterators[0],
                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=args.micro_batches,
                 seq_length=seq_length_at(args, iteration), micro_batch_size=args.micro_batch_size, forward_only=False,
             )

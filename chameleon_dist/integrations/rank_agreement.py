@@ -15,13 +15,22 @@ did not come. The integrations call the check on every rank whether Chameleon is
 
 Each rank counts its own calls (a counter key per rank in the store), so the n-th check of one rank meets
 the n-th check of the others (two installs in one job, one after the other). Nothing is kept in the module.
+
+The check also records where each rank runs (host and process id) and returns it as ``Peers``: when a rank's
+iteration fails in a multi-rank job, ``Peers.gone`` names the ranks of this host whose process has ended (a
+rank killed with SIGKILL writes nothing; its survivors' collectives only see a closed connection), so that a
+survivor's error names the dead rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
+import os
+import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,6 +64,49 @@ def canonical_settings(config: ChameleonConfig) -> dict[str, Any]:
     return flat
 
 
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """Where the ranks of the job run: ``places[rank] = (host, pid)``; ``rank`` is this rank."""
+
+    rank: int
+    places: dict[int, tuple[str, int]]
+
+    def gone(self) -> list[int]:
+        """The other ranks on this host whose process has ended (or is a zombie: ended, not yet reaped)."""
+        host = socket.gethostname()
+        return [r for r, (where, pid) in sorted(self.places.items())
+                if r != self.rank and where == host and not _alive(pid)]
+
+    def describe_gone(self, grace_s: float = 1.0) -> str | None:
+        """A line naming the ranks that are gone, None when none is (or none can be seen from this host).
+        ``grace_s``: how long to look again (a killed process closes its connections a moment before it ends)."""
+        deadline = time.monotonic() + grace_s
+        gone = self.gone()
+        while not gone and time.monotonic() < deadline:
+            time.sleep(0.05)
+            gone = self.gone()
+        if not gone:
+            return None
+        pids = ", ".join(f"pid {self.places[r][1]}" for r in gone)
+        return (f"{_ranks(gone)} of {len(self.places)} {'are' if len(gone) > 1 else 'is'} gone (process ended: "
+                f"{pids} on {self.places[gone[0]][0]}): this rank's failure follows from it; read that rank's "
+                "log and the launcher's exit codes (-9: killed, e.g. by the host's out-of-memory killer)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
 
@@ -75,11 +127,11 @@ def differences(records: Mapping[int, Mapping[str, Any]], prefix: str = "") -> l
 
 
 def agree_on_settings(config: ChameleonConfig, *, prefix: str = "", wait_s: float = SETTINGS_WAIT_S,
-                      store: Any = None, rank: int | None = None, world_size: int | None = None) -> None:
+                      store: Any = None, rank: int | None = None, world_size: int | None = None) -> Peers | None:
     """Check that every rank of the default process group starts with this rank's settings (a no-op without a
     process group or with one rank). ``prefix``: how the user's config spells the settings' root
     (``chameleon.`` in a DeepSpeed config). ``store``, ``rank``, ``world_size``: the default group's unless
-    given.
+    given. Returns where each rank runs (None without a process group or with one rank).
 
     Raises:
         ConfigError: on every rank, when the settings differ (naming each setting and the ranks on each
@@ -87,15 +139,16 @@ def agree_on_settings(config: ChameleonConfig, *, prefix: str = "", wait_s: floa
     """
     if store is None:
         if not dist.is_available() or not dist.is_initialized():
-            return
+            return None
         store = dist.distributed_c10d._get_default_store()
     rank = dist.get_rank() if rank is None else rank
     world_size = dist.get_world_size() if world_size is None else world_size
     if world_size <= 1:
-        return
+        return None
     call = int(store.add(f"{KEY_PREFIX}/calls/{rank}", 1))
     keys = [f"{KEY_PREFIX}/{call}/{r}" for r in range(world_size)]
-    store.set(keys[rank], json.dumps(canonical_settings(config), sort_keys=True))
+    store.set(f"{KEY_PREFIX}/{call}/place/{rank}", json.dumps([socket.gethostname(), os.getpid()]))
+    store.set(keys[rank], json.dumps(canonical_settings(config), sort_keys=True))  # (after the place: waited on)
     try:
         store.wait(keys, datetime.timedelta(seconds=wait_s))
     except Exception as exc:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError on older torch)
@@ -114,6 +167,8 @@ def agree_on_settings(config: ChameleonConfig, *, prefix: str = "", wait_s: floa
                                       "a rank with other settings would swap or fail where its peers wait in a "
                                       "collective)"])
     logger.debug("settings agree on %d ranks (check %d)", world_size, call)
+    places = {r: json.loads(store.get(f"{KEY_PREFIX}/{call}/place/{r}")) for r in range(world_size)}
+    return Peers(rank, {r: (str(host), int(pid)) for r, (host, pid) in places.items()})
 
 
 def _present(store: Any, key: str) -> bool:

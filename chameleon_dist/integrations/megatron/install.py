@@ -32,12 +32,14 @@ from torch import nn
 
 from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.errors import ConfigError
+from chameleon_dist.config.loaders import load_config
 from chameleon_dist.config.megatron_args import config_from_megatron_args
 from chameleon_dist.device.base import Device
 from chameleon_dist.integrations.megatron.cuda_on_cpu import CudaLiteralsToCpu
 from chameleon_dist.integrations.megatron.schedule import ScheduleTracker, schedule_patches
 from chameleon_dist.integrations.held_runtime import HeldRuntime
 from chameleon_dist.integrations.open_iteration import SettingNames
+from chameleon_dist.integrations.rank_agreement import SETTINGS_WAIT_S, Peers, agree_on_settings
 from chameleon_dist.patching import PatchSet, apply_patches
 from chameleon_dist.ranks import RankCoordinates, RankLogPrefix, RankOutOfMemoryError  # noqa: F401 (re-exported)
 from chameleon_dist.runtime import Chameleon
@@ -138,8 +140,9 @@ class MegatronChameleon(HeldRuntime):
     ``close``. Each call of the wrapped schedule opens one iteration of the runtime (``open_iteration``) that
     the optimizer step closes. Made by ``install``."""
 
-    def __init__(self, runtime: Chameleon, cuda_literals_on_cpu: bool = False) -> None:
+    def __init__(self, runtime: Chameleon, cuda_literals_on_cpu: bool = False, peers: Peers | None = None) -> None:
         super().__init__(runtime, MEGATRON_SETTINGS)
+        self.peers = peers  # where the job's ranks run (``agree_on_settings``): a failure names a dead peer
         self.tracker = ScheduleTracker(runtime.profiler.micro_batches, runtime.executor.protect_now)
         self._patches: PatchSet = apply_patches(schedule_patches(self.tracker))
         self._log_prefix = RankLogPrefix(runtime.coordinates)
@@ -176,7 +179,7 @@ class MegatronChameleon(HeldRuntime):
                 with literals:
                     result = forward_backward_func(*args, **kwargs)
             except Exception as exc:
-                opened.fail(exc)
+                self._fail(exc)
             finally:
                 self.tracker.end()
             if not self._steps_closing:
@@ -184,6 +187,14 @@ class MegatronChameleon(HeldRuntime):
             return result
 
         return forward_backward
+
+    def _fail(self, exc: Exception) -> None:
+        """Close the iteration as failed and raise (``OpenIteration.fail``), first logging which peers of this
+        host are gone: a survivor of a killed rank sees only a closed connection."""
+        gone = self.peers.describe_gone() if self.peers is not None else None
+        if gone is not None:
+            logger.error("%s", gone)
+        self.open_iteration.fail(exc)
 
     def watch_step(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` (a torch or a Megatron optimizer) the end of the open iteration: it runs
@@ -199,7 +210,7 @@ class MegatronChameleon(HeldRuntime):
                 with self.runtime.optimizer_phase():
                     result = original(*args, **kwargs)
             except Exception as exc:
-                opened.fail(exc)
+                self._fail(exc)
             opened.finish()
             return result
 
@@ -239,6 +250,7 @@ def install(
     optimizer: Any = None,
     device: Device | None = None,
     cuda_literals_on_cpu: bool = False,
+    settings_wait_s: float = SETTINGS_WAIT_S,
 ) -> MegatronChameleon:
     """Install Chameleon on this rank and return its runtime.
 
@@ -253,17 +265,25 @@ def install(
         device: the device to meter and swap on (default: made from ``config.device``).
         cuda_literals_on_cpu: run each schedule call under ``CudaLiteralsToCpu`` (megatron-core on a machine
             without CUDA; with the CPU patches of ``cuda_on_cpu`` applied).
+        settings_wait_s: how long this rank waits for the others at the settings check (``rank_agreement``).
+
+    Every rank of a multi-rank job must call ``install`` (``enabled: false`` where Chameleon only measures),
+    with the same settings: each rank compares its config with every other rank's first.
 
     Raises:
-        ConfigError: the config cannot be meant as written, a chunk does not fit the device, or the chunks use
-            what Chameleon does not support (``unsupported_features``: context parallelism, CUDA graphs).
+        ConfigError: the config cannot be meant as written, a chunk does not fit the device, the chunks use
+            what Chameleon does not support (``unsupported_features``: context parallelism, CUDA graphs), or
+            the ranks' settings differ (naming each setting and the ranks) or some rank did not install within
+            ``settings_wait_s``.
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     problems = unsupported_features(chunks, config if isinstance(config, argparse.Namespace) else None)
     if problems:
         raise ConfigError(problems)
     coordinates = coordinates_of(chunks, process_groups)
-    runtime = Chameleon(_config(config), device=device, coordinates=coordinates)
+    settings = load_config(_config(config))
+    peers = agree_on_settings(settings, wait_s=settings_wait_s)  # (every rank, before anything is built)
+    runtime = Chameleon(settings, device=device, coordinates=coordinates)
     track = getattr(runtime.device, "track", None)  # the emulated device counts what it did not see made
     if track is not None:
         for buffer in [*_gradient_buffers(chunks), *_optimizer_tensors(optimizer)]:
@@ -271,7 +291,7 @@ def install(
     runtime.executor.protect(lambda: [*_gradient_buffers(chunks), *_workspaces(), *_optimizer_tensors(optimizer)])
     for chunk in chunks:
         runtime.attach(_unwrapped(chunk))
-    integration = MegatronChameleon(runtime, cuda_literals_on_cpu=cuda_literals_on_cpu)
+    integration = MegatronChameleon(runtime, cuda_literals_on_cpu=cuda_literals_on_cpu, peers=peers)
     if optimizer is not None:
         integration.watch_step(optimizer)
     integration.start()

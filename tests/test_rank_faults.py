@@ -1,0 +1,79 @@
+"""Multi-rank faults (issue 37 item 12), on the Megatron launcher's ranks (gloo on CPU, the emulated device):
+
+- ranks started with different Chameleon settings (a budget, Chameleon on one rank only) are refused at start,
+  every rank naming the setting and the ranks, before the first iteration;
+- a rank killed with SIGKILL in its forward, in its backward, or while a swap-in is in flight ends the job:
+  no launcher tears the survivor down here (``tests/fault_batch.py``), it must end by itself, naming the
+  dead rank; and a real torchrun job killed during a swap-in ends non-zero naming the dead rank, with no rank
+  process left behind (a process's exit releases its host pool: none may survive).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multirank  # (NOTE [The multi-rank tier] in tests/conftest.py)
+
+REPO = Path(__file__).resolve().parents[1]
+# a tiny two-stage pipeline: a few seconds per run; a short collective timeout as the backstop of a hang
+BASE = ["--pp", "2", "--iterations", "3", "--hidden-size", "32", "--num-layers", "2", "--seq-length", "64",
+        "--micro-batch-size", "2", "--micro-batches", "2", "--chameleon-min-swap-bytes", "4KiB",
+        "--chameleon-device-capacity", "10MB", "--dist-timeout-s", "60"]
+KILLED = {point: [*BASE, "--kill-rank", "1", "--kill-iteration", "2", "--kill-at", point]
+          for point in ("forward", "backward", "swap-in")}
+RUNS = [
+    {"name": "budget", "argv_by_rank": [BASE, [*BASE, "--chameleon-memory-budget", "4MB"]]},
+    {"name": "one-rank-only", "argv_by_rank": [BASE, [*BASE, "--no-chameleon"]]},
+    *[{"name": f"killed-in-{point}", "argv_by_rank": [argv, argv]} for point, argv in KILLED.items()],
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("faults")
+    spec, out = workdir / "runs.json", workdir / "results.json"
+    spec.write_text(json.dumps([{**run, "timeout_s": 150} for run in RUNS]))
+    subprocess.run([sys.executable, "-m", "tests.fault_batch", "train_megatron", str(spec), str(out)], check=True,
+                   timeout=900, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {r["name"]: r for r in json.loads(out.read_text())}
+
+
+def _ended(result):
+    logs = "\n\n".join(f"--- rank {r} ---\n{log[-3000:]}" for r, log in enumerate(result["logs"]))
+    assert not result["timed_out"], logs
+    return logs
+
+
+def test_a_different_budget_is_refused_on_every_rank_before_the_first_iteration(results):
+    result = results["budget"]
+    logs = _ended(result)
+    assert result["returncodes"] == [1, 1], logs
+    for log in result["logs"]:
+        assert "memory_budget differs between ranks: " in log and "on rank 0; " in log and "on rank 1" in log, logs
+        assert "iteration 1/3" not in log and "iteration 1 failed" not in log, logs
+
+
+def test_chameleon_on_one_rank_only_is_refused_naming_enabled(results):
+    result = results["one-rank-only"]
+    logs = _ended(result)
+    assert result["returncodes"] == [1, 1], logs
+    for log in result["logs"]:
+        assert "enabled differs between ranks: true on rank 0; false on rank 1" in log, logs
+
+
+@pytest.mark.parametrize("point", list(KILLED))
+def test_a_killed_rank_ends_the_job_and_the_survivor_names_it(results, point):
+    result = results[f"killed-in-{point}"]
+    logs = _ended(result)
+    assert result["returncodes"][1] == -9, logs  # (it died where asked: the kill point was reached)
+    assert "--kill-rank: this rank sends itself SIGKILL" in result["logs"][1], logs
+    assert result["returncodes"][0] not in (0, -9), logs  # the survivor ended by itself, with an error
+    assert "rank 1 of 2 is gone" in result["logs"][0], logs
