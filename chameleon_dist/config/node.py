@@ -106,14 +106,16 @@ class HostShare:
         else:
             fraction = self.auto_fraction if self.budget == sizes.AUTO else self.budget
             name = "auto" if self.budget == sizes.AUTO else "host_memory_budget"
-            total = "the node's RAM" if self.total_bound == HOST_RAM else f"the {self.total_bound} limit"
-            source = (f"{name}: {fraction:.0%} of {total} {sizes.format_size(self.node_ram_bytes)} / "
+            source = (f"{name}: {fraction:.0%} of {self._total_text()} {sizes.format_size(self.node_ram_bytes)} / "
                       f"{self.local_ranks} rank{'s' if self.local_ranks != 1 else ''} ({LOCAL_WORLD_SIZE_ENV})")
             if self.bound == RLIMIT_MEMLOCK:
                 source += (f", cut to {RLIMIT_MEMLOCK} {sizes.format_size(self.memlock_bytes)} (raise it with "
                            "ulimit -l to pin more)")
             source += f"; bound: {self.bound}"
         return f"host memory budget {sizes.format_size(per_rank)} per rank ({source})"
+
+    def _total_text(self) -> str:
+        return "the node's RAM" if self.total_bound == HOST_RAM else f"the {self.total_bound} limit"
 
     def node_problem(self) -> str | None:
         """The warning when the node's ranks together would pin more than half its RAM, or when
@@ -127,5 +129,5 @@ class HostShare:
             return None
         return (f"host_memory_budget: {sizes.format_size(self.per_rank_bytes)} per rank x {self.local_ranks} "
                 f"rank{'s' if self.local_ranks != 1 else ''} on this node ({LOCAL_WORLD_SIZE_ENV}) may pin "
-                f"{sizes.format_size(total)}, more than half of the node's {sizes.format_size(self.node_ram_bytes)} "
-                f"RAM; lower host_memory_budget (\"auto\" shares half the node's RAM among its ranks)")
+                f"{sizes.format_size(total)}, more than half of {self._total_text()} "
+                f"{sizes.format_size(self.node_ram_bytes)}; lower host_memory_budget (\"auto\" shares half the node's RAM among its ranks)")
