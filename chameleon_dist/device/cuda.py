@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch.utils._pytree import tree_leaves
 
-from chameleon_dist.device import cuda_memory
+from chameleon_dist.device import caching_geometry, cuda_memory
 from chameleon_dist.device.host_arena import HostArena
 from chameleon_dist.device.stream_device import StreamDevice
 from chameleon_dist.units import format_bytes
@@ -286,10 +286,21 @@ class CudaBackend:
         return func(*args, **kwargs)
 
     def short_bytes(self, error: torch.OutOfMemoryError, func, args: tuple, kwargs: dict) -> int:
-        """The caching allocator does not say how much it was short of: the op's tensor arguments' bytes
-        (an estimate of its outputs), at least 1 MiB."""
+        """What relief should free: the segment the failed request needs, read from the error's "Tried to
+        allocate N" (an op's arguments say little of it: factory ops, attention scores, logits, embedding
+        backward), plus a fragmentation margin (``caching_geometry.cuda_short_bytes``). Without that text, the
+        op's tensor arguments' bytes, at least 1 MiB."""
         leaves = (t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        return max(sum(t.numel() * t.element_size() for t in leaves), 2**20)
+        fallback_bytes = max(sum(t.numel() * t.element_size() for t in leaves), 2**20)
+        return caching_geometry.cuda_short_bytes(str(error), fallback_bytes)
+
+    def request_fit(self, error: torch.OutOfMemoryError):
+        """None: the allocator's pools are not read here (relief frees ``short_bytes``, margin included)."""
+        return None
+
+    def fits(self, nbytes: int, stream=None) -> bool | None:
+        """Unknown on CUDA (None): the prefetch limit judges by ``memory_allocated`` alone."""
+        return None
 
 
 class CudaDevice(StreamDevice):

@@ -5,9 +5,11 @@ What it models: a device clock that lags the host (each op a roofline cost from 
 plus a launch latency; the host's own work measured, or a fixed cost per op), copy links at their real
 rates (slower while both directions copy), memory as the caching allocator reports it (512-byte blocks tied
 to their allocation stream, out-of-memory at the allocation), and a hazard checker for every access the
-clock would let race. What it does not model: cache and occupancy effects inside kernels, overlap of
-kernels on different compute streams competing for the same SMs, allocator fragmentation, the CUDA
-context and NCCL buffers, and real silicon. Every figure it reports is emulated."""
+clock would let race; with ``caching_allocator`` the caching allocator's segments, per-stream pools and
+fragmentation (``expandable_segments`` as an option: NOTE [The caching allocator model] in
+``device/simulated/caching.py``). What it does not model: cache and occupancy effects inside kernels,
+overlap of kernels on different compute streams competing for the same SMs, the CUDA context and NCCL
+buffers, and real silicon. Every figure it reports is emulated."""
 
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ class EmulatedDevice(StreamDevice):
     ``host_op_s``: fixed host seconds per op for runs that repeat exactly (None: the host's time is
     measured). ``check_hazards``: raise ``StreamHazardError`` on a racing access (NOTE [Stream hazards]).
     ``meta_tensors``: the model's tensors are meta tensors (sizes, no data): LLM shapes run through the same
-    runtime, timed and metered from sizes (NOTE [Meta tensors] in ``device/simulated/backend.py``)."""
+    runtime, timed and metered from sizes (NOTE [Meta tensors] in ``device/simulated/backend.py``).
+    ``caching_allocator``: blocks live in the caching allocator's segments and per-stream pools, and the
+    capacity bounds reserved bytes (off: every block its own segment); ``expandable_segments`` with it."""
 
     def __init__(
         self,
@@ -48,6 +52,8 @@ class EmulatedDevice(StreamDevice):
         check_hazards: bool = True,
         model: DeviceModel | None = None,
         meta_tensors: bool = False,
+        caching_allocator: bool = False,
+        expandable_segments: bool = False,
     ) -> None:
         if model is None:
             model = DeviceModel.resolve(
@@ -57,7 +63,8 @@ class EmulatedDevice(StreamDevice):
                 duplex_factor=duplex_factor,
             )
         self.model = model
-        backend = SimulatedBackend(int(capacity_bytes), model, check_hazards=check_hazards, meta_tensors=meta_tensors)
+        backend = SimulatedBackend(int(capacity_bytes), model, check_hazards=check_hazards, meta_tensors=meta_tensors,
+                                   caching_allocator=caching_allocator, expandable_segments=expandable_segments)
         super().__init__(
             backend, host_memory_budget_bytes,
             d2h_bytes_per_s=math.inf if model.d2h_bytes_per_s is None else model.d2h_bytes_per_s,

@@ -397,15 +397,31 @@ class StreamDevice:
         return released_bytes
 
     def _allocate_device_bytes(self, nbytes: int) -> torch.Tensor:
+        """A swap-in's block: relieved once, here, and retried once (its ``aten.empty`` passes the dispatch
+        layer under ``direct``, so that layer does not relieve it too: NOTE [Relief inside the op])."""
+        dispatch = self.dispatch
         try:
-            return self.backend.allocate(nbytes)
+            with dispatch.direct():
+                return self.backend.allocate(nbytes)
         except torch.OutOfMemoryError as error:
-            if self.dispatch.handler is None or self.dispatch.relieving:
+            if dispatch.handler is None or dispatch.relieving:
                 raise
-            short_bytes = getattr(error, "short_bytes", None) or nbytes
+            short_bytes = self.backend.short_bytes(error, None, (), {}) if not hasattr(error, "short_bytes") \
+                else error.short_bytes
+            fits = self.backend.request_fit(error)
         # outside the except block, so the traceback's frames do not pin tensors during the retry
-        self.dispatch.relieve(short_bytes, f"a {format_bytes(nbytes)} swap-in")
-        return self.backend.allocate(nbytes)
+        dispatch.relieve(short_bytes, f"a {format_bytes(nbytes)} swap-in", fits)
+        with dispatch.direct():
+            return self.backend.allocate(nbytes)
+
+    def fits(self, nbytes: int, stream=None) -> bool | None:
+        """Whether an allocation of ``nbytes`` on ``stream`` (default the current one) would succeed now, as the
+        caching allocator would serve it; None where the backend cannot tell (``backend.fits``)."""
+        return self.backend.fits(nbytes, stream)
+
+    def pressure_request_fits(self) -> bool | None:
+        """During relief: whether the request that ran short would fit now (None: unknown)."""
+        return self.dispatch.request_fits()
 
     def _timed_wait(self, stream, event) -> None:
         backend = self.backend

@@ -16,6 +16,14 @@ raises out-of-memory. In order, each step only when the previous ones freed too 
    done when the allocation under pressure is itself a prefetch (that one is simply skipped).
 3. Passive swap: swap idle kept tensors out synchronously, best fit first (``passive_swaps``).
 
+"Enough" is the request fitting, not ``short_bytes`` freed: on a caching allocator the freed bytes stay in their
+stream's pool inside segments that live blocks pin, and the retry needs one block that fits on the right
+stream (NOTE [The caching allocator model] in device/simulated/caching.py). Where the device can tell
+(``pressure_request_fits``: the emulated device's caching model) a step goes on until the request fits, even
+past ``short_bytes``; where it cannot (None), ``short_bytes`` freed is enough (on CUDA it carries a
+fragmentation margin). If relief ends with the request still not fitting, the retry raises an error that names
+``expandable_segments`` when the free bytes were there, in the wrong segments.
+
 In a multi-rank job these steps are all there is: an out-of-memory error cannot be retried by one rank
 alone (NOTE [One rank cannot retry alone] in integrations/megatron/install.py).
 
@@ -79,8 +87,15 @@ class PressureRelief:
         self._issue_pending_swap_outs = issue_pending_swap_outs
         self._prefetching = prefetching
 
+    def _enough(self, freed_bytes: int, short_bytes: int) -> bool:
+        """The request under pressure fits now (where the device can tell), else ``short_bytes`` are freed."""
+        request_fits = getattr(self._device, "pressure_request_fits", None)
+        fits = request_fits() if request_fits is not None else None
+        return fits if fits is not None else freed_bytes >= short_bytes
+
     def relieve(self, short_bytes: int) -> int:
-        """Free at least ``short_bytes`` of device memory if possible; returns the bytes freed."""
+        """Free device memory until the request under pressure fits (or ``short_bytes`` are freed, where the
+        device cannot tell); returns the bytes freed."""
         counters = self._counters()
         before = self._device.live_bytes()
         if self._schedule.swap_outs:
@@ -88,10 +103,10 @@ class PressureRelief:
         self._device.release_all_sources()  # stream-ordered: each block's reuse waits for its copy, the host does not
         freed = max(before - self._device.live_bytes(), 0)
         waited = freed > 0
-        if freed < short_bytes and not self._prefetching():
+        if not self._enough(freed, short_bytes) and not self._prefetching():
             freed += self._evict_prefetches(short_bytes - freed, counters)
         passive_swaps = counters.passive_swaps
-        if freed < short_bytes and self._kept:
+        if not self._enough(freed, short_bytes) and self._kept:
             freed += self._passive_swap(short_bytes - freed, counters)
         if waited and counters.passive_swaps == passive_swaps:
             counters.pressure_waits += 1
@@ -103,7 +118,7 @@ class PressureRelief:
         first. Memory comes free only where nothing else holds the bytes (an op using them now does)."""
         freed = 0
         for ref in self._entries:
-            if freed >= short_bytes:
+            if self._enough(freed, short_bytes):
                 break
             entry = ref()
             if entry is None or entry.to_host is None:
@@ -128,7 +143,7 @@ class PressureRelief:
         kept.sort(key=lambda k: (k.nbytes < short_bytes, k.nbytes if k.nbytes >= short_bytes else -k.nbytes))
         freed = 0
         for k in kept:
-            if freed >= short_bytes:
+            if self._enough(freed, short_bytes):
                 break
             before = self._device.live_bytes()
             entry = self._entry_for(k.tensor, reader=k.stream)  # (read in backward on the stream current at its save)

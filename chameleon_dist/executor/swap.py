@@ -528,6 +528,13 @@ class SwapExecutor:
             # trace that took it for gone would add its bytes back to the no-swap curve a second time
             self._context.observer.on_swap_in(entry.trace_index, at_op)
 
+    def _prefetch_would_not_fit(self, entry: SwapEntry) -> bool:
+        """The caching allocator could not serve the swap-in on its reader's stream now (its pools are
+        fragmented or the segment it needs would pass the capacity): it waits rather than cost a relief.
+        False where the device cannot tell."""
+        fits = getattr(self.device, "fits", None)
+        return fits is not None and fits(entry.nbytes, entry.reader) is False
+
     def _fire_triggers(self, op_count: int) -> None:
         """Start the planned swap-ins whose trigger op has been reached. One that would take the device
         above ``prefetch_limit_bytes`` waits for the next op (or its use): the policy's prediction was
@@ -536,8 +543,8 @@ class SwapExecutor:
         for entry in self._placed.due(self._placed.swap_ins, op_count):
             if entry.restored or entry.in_flight:
                 continue
-            if limit is not None and op_count >= 0 and self.device.live_bytes() + entry.nbytes > limit \
-                    and entry.source() is None:
+            if limit is not None and op_count >= 0 and entry.source() is None and (
+                    self.device.live_bytes() + entry.nbytes > limit or self._prefetch_would_not_fit(entry)):
                 self._schedule(self._placed.swap_ins, op_count + 1, entry)
                 self.counters.prefetches_deferred += 1
                 return

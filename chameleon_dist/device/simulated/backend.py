@@ -59,6 +59,10 @@ class SimulatedBackend:
             link rates, host cost per op or None for the measured host time).
         check_hazards: raise ``StreamHazardError`` on a racing access (on by default; NOTE [Stream hazards]).
         meta_tensors: the device's tensors are meta tensors (sizes, no data: NOTE [Meta tensors]).
+        caching_allocator: blocks live in the caching allocator's segments and per-stream pools, and the capacity
+            bounds the reserved bytes (NOTE [The caching allocator model] in ``caching.py``); off: every block
+            is its own segment (no fragmentation).
+        expandable_segments: with the caching model, each stream's pool grows one segment by pages.
 
     ``op_times_s``: an optional per-op observer, None (off, the default) or a list to which every op that
     completes through ``run_op`` appends its kernel's device seconds, in the order the ops ran: 0.0 for an op
@@ -70,7 +74,7 @@ class SimulatedBackend:
     emulated = True
 
     def __init__(self, capacity_bytes: int, model: DeviceModel, check_hazards: bool = True,
-                 meta_tensors: bool = False) -> None:
+                 meta_tensors: bool = False, caching_allocator: bool = False, expandable_segments: bool = False) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.meta_tensors = bool(meta_tensors)
         self.tensor_device = "meta" if meta_tensors else "cpu"
@@ -84,7 +88,8 @@ class SimulatedBackend:
         self.engine = EngineStreams(self.compute_stream, self._record_crossing)  # NOTE [Backward on its forward's stream]
         self.h2d_link, self.d2h_link = link_pair(model.h2d_bytes_per_s, model.d2h_bytes_per_s, model.duplex_factor)
         self.hazards = HazardChecker(check_hazards)
-        self.allocator = SimAllocator(self.capacity_bytes, self.hazards)
+        self.allocator = SimAllocator(self.capacity_bytes, self.hazards, caching=caching_allocator,
+                                      expandable_segments=expandable_segments)
         self.cost = KernelCostModel(model)
         self.name = "simulated"
         self.op_index = 0  # device ops of the current iteration (in out-of-memory messages)
@@ -170,6 +175,14 @@ class SimulatedBackend:
     def peak_bytes(self) -> int:
         return self.allocator.peak_bytes
 
+    def reserved_bytes(self) -> int:
+        """What ``memory_reserved`` would say (the caching model's segments; else ``live_bytes``)."""
+        return self.allocator.reserved_bytes
+
+    def fits(self, nbytes: int, stream: SimStream | None = None) -> bool:
+        """Whether an allocation of ``nbytes`` on ``stream`` (default the current one) would succeed now."""
+        return self.allocator.fits(nbytes, stream if stream is not None else self.current_stream())
+
     def reset_peak(self) -> None:
         self.allocator.reset_peak()
 
@@ -206,11 +219,14 @@ class SimulatedBackend:
             self._local.paused = before
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        self._host_work()
-        with self.host_side():
-            tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.tensor_device)
-        self.allocator.allocate([tensor.untyped_storage()], self.current_stream(), "a swap-in's allocation",
-                                self.op_index)
+        """A swap-in's block on the current stream. As on a GPU, it is an ``aten.empty`` through the device's
+        dispatch when one is active (its allocation, and an out-of-memory error, happen in ``run_op``);
+        else it is counted here."""
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.tensor_device)
+        if self.allocator.block_of(tensor.untyped_storage()) is None and nbytes > 0:
+            self._host_work()
+            self.allocator.allocate([tensor.untyped_storage()], self.current_stream(), "a swap-in's allocation",
+                                    self.op_index)
         return tensor
 
     @contextlib.contextmanager
@@ -335,3 +351,12 @@ class SimulatedBackend:
     def short_bytes(self, error: torch.OutOfMemoryError, func, args: tuple, kwargs: dict) -> int:
         """How many bytes the failed allocation was short of (exact here: the allocator says)."""
         return getattr(error, "short_bytes", 1)
+
+    def request_fit(self, error: torch.OutOfMemoryError):
+        """A callable saying whether the request that raised ``error`` would fit now, on the stream current at
+        it (the caching model's judgement: NOTE [Relief inside the op] in ``device/dispatch.py``)."""
+        requested_bytes = getattr(error, "requested_bytes", None)
+        if requested_bytes is None:
+            return None
+        stream = self.current_stream()
+        return lambda: self.allocator.fits(requested_bytes, stream)
