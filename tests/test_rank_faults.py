@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -77,3 +78,41 @@ def test_a_killed_rank_ends_the_job_and_the_survivor_names_it(results, point):
     assert "--kill-rank: this rank sends itself SIGKILL" in result["logs"][1], logs
     assert result["returncodes"][0] not in (0, -9), logs  # the survivor ended by itself, with an error
     assert "rank 1 of 2 is gone" in result["logs"][0], logs
+
+
+def _marked_processes(marker: str) -> list[int]:
+    """The live processes whose environment holds ``marker`` (this job's ranks and launcher), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_rank_killed_during_a_swap_in_ends_a_torchrun_job_naming_it_and_leaving_no_process(tmp_path):
+    """Real torchrun: rank 1 dies (SIGKILL) with a copy back to the device in flight. The job must end non-zero,
+    its output must name rank 1 as killed, and no process of the job may be left (each rank's host pool goes
+    with its process)."""
+    marker = f"CHAMELEON_FAULT_TEST={uuid.uuid4().hex}"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path, marker.split("=")[0]: marker.split("=")[1]}
+    command = [str(torchrun), "--nproc-per-node", "2", "-m", "launch.train_megatron", *KILLED["swap-in"]]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    finally:
+        left = _marked_processes(marker)
+        for pid in left:  # (so that a failing test leaves nothing running either)
+            os.kill(pid, 9)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert "--kill-rank: this rank sends itself SIGKILL" in output, output[-4000:]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9 .*SIGKILL", output), output[-4000:]
+    assert left == [], left
