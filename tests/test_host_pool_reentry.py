@@ -120,3 +120,31 @@ def test_two_threads_acquiring_and_releasing_share_one_pool():
     assert pool.in_use_bytes == 0
     assert pool.reserved_bytes == pool.cached_bytes <= pool.budget_bytes
     assert pool.cached_bytes == sum(size for size, _buffer in pool._idle.values())
+
+
+def test_arena_ranges_come_back_whichever_thread_drops_its_buffers():
+    arena = HostArena(mmap.mmap(-1, 64 * 512), 64 * 512)
+    start = threading.Barrier(2)
+    problems = []
+
+    def worker(mark: int) -> None:
+        start.wait()
+        for step in range(400):
+            buffers = [arena.take(512 * (1 + (step + mark) % 3)) for _ in range(3)]
+            for buffer in buffers:
+                if buffer is not None:
+                    buffer.fill_(mark)
+            if any(buffer is not None and not bool((buffer == mark).all()) for buffer in buffers):
+                problems.append(f"thread {mark}: a range lent twice")
+            del buffers  # their finalizers give the ranges back, on this thread, maybe while the other holds the lock
+
+    threads = [threading.Thread(target=worker, args=(mark,), daemon=True) for mark in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(DEADLOCK_GUARD_S)
+    assert not any(thread.is_alive() for thread in threads), "deadlocked"
+    gc.collect()
+    assert not problems, problems[:3]
+    assert arena.lent_bytes == 0 and arena.free_bytes == arena.capacity_bytes
+    assert arena.take(64 * 512) is not None  # every range merged back into one
