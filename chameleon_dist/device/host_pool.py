@@ -28,11 +28,13 @@ NOTE [A fragmented arena]
 When the arena's free bytes would hold a request but no free range does (buffers of changing sizes died in
 another order), the pool lends a pageable buffer for that one copy (``pageable_fallbacks``, counted and
 logged by the runtime per iteration) instead of evicting idle buffers that hold no range it could use and
-then refusing. Such a buffer stands in for the arena's free bytes, which it cannot use while fragmented:
-it counts in ``in_use_bytes`` and the arena's free bytes count less by as much, so ``reserved_bytes`` stays
-what the budget allowed; the pageable buffers in use never exceed the arena's free bytes. It is freed when
-released (never cached): the next copy tries the arena again. Idle buffers are evicted for the arena only
-while its free bytes are short of the request.
+then refusing. Such a buffer stands in for arena bytes that are free but unusable while fragmented: it
+counts in ``in_use_bytes`` and the arena's free bytes count less by as much in ``reserved_bytes``, and the
+pageable buffers lent never exceed the arena's free bytes (less those already stood in for). So the host
+memory actually held may pass the budget by at most the pageable bytes in use, a transient excess bounded
+by the arena's fragmented free bytes (``pageable_in_use_bytes``). It is freed when released (never cached):
+the next copy tries the arena again. Idle buffers are evicted for the arena only while its free bytes are
+short of the request.
 """
 
 from __future__ import annotations
