@@ -9,8 +9,8 @@ applies decides):
 - outside the ``aten`` namespace: refused. A custom op's kernel (Transformer Engine, apex, flash-attn,
   Triton), a collective (``_c10d_functional``: replayed on one rank, it waits for the others forever):
   nothing says they replay.
-- a mutable schema (in place, ``out=``, a buffer written on the side as batch norm's running stats):
-  refused; the op changed state the replay would change again.
+- a mutable schema (in place, ``out=``, a buffer written on the side and declared, as
+  ``_native_batch_norm_legit``'s running stats): refused; the op changed state the replay would change again.
 - refused by name: kernels that accumulate with atomics on a GPU, so the order of the additions (and the
   bits of the sum) changes from run to run (``ATOMICS``), kernels whose output is uninitialised memory
   that something else fills (``UNINITIALISED``), and ``rrelu_with_noise``.
@@ -24,7 +24,15 @@ applies decides):
   cuDNN and CPU flash attention, sdpa's math path); a ``p`` of zero for the composite dropouts, which then
   return their input (``ZERO_P_DRAWS_NOTHING``; ``native_dropout`` draws even at p=0: refused unless
   ``train`` is false). ``p`` is read only on these ops: ``norm``'s or ``dist``'s ``p`` is an exponent.
+- a write its schema does not declare (``UNDECLARED_STATE_WRITES`` in trace/state_writes.py: batch norm's
+  running statistics, updated in place while training): refused where the arguments say it writes
+  (``training`` true and a running statistic given) or are not known; exact otherwise, when the rules
+  above let it.
 - anything else: exact.
+
+The rules about random numbers (a ``Generator`` argument, ``dropout_p``, ``nondeterministic_seeded`` with its
+``train``/``p`` arguments) are ``draws_random_numbers``, and the undeclared writes ``writes_undeclared_state``:
+the dispatch layer's ``retryable`` asks the same two (device/dispatch.py, NOTE [Relief inside the op]).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from __future__ import annotations
 import enum
 import importlib
 from typing import Any
+
+from chameleon_dist.trace.state_writes import UNDECLARED_STATE_WRITES
 
 def _torch() -> Any:
     """torch, imported on first use: the planner runs the policy generator on coarse traces whose op names
@@ -87,18 +97,12 @@ def schema_verdict(func: Any) -> Replay:
     name = getattr(func, "_opname", "")
     if name in ATOMICS or name in UNINITIALISED or name in NOISE:
         return Replay.REFUSED
-    arguments = schema.arguments
-    if any(_is_generator(a.type) for a in arguments):
+    if _torch().Tag.nondeterministic_bitwise in getattr(func, "tags", ()):
         return Replay.REFUSED
-    tags = getattr(func, "tags", ())
-    if _torch().Tag.nondeterministic_bitwise in tags:
+    draws = _draw_verdict(func)
+    if draws is Replay.REFUSED:
         return Replay.REFUSED
-    names = {a.name for a in arguments}
-    if _torch().Tag.nondeterministic_seeded in tags:
-        if names & {"dropout_p", *_TRAIN_ARGUMENTS} or (name in ZERO_P_DRAWS_NOTHING and "p" in names):
-            return Replay.BY_ARGUMENTS
-        return Replay.REFUSED
-    return Replay.BY_ARGUMENTS if "dropout_p" in names else Replay.EXACT
+    return Replay.BY_ARGUMENTS if name in UNDECLARED_STATE_WRITES else draws
 
 
 def replays_exactly(func: Any, args: tuple = (), kwargs: dict | None = None, verdict: Replay | None = None) -> bool:
@@ -107,8 +111,49 @@ def replays_exactly(func: Any, args: tuple = (), kwargs: dict | None = None, ver
     verdict = schema_verdict(func) if verdict is None else verdict
     if verdict is not Replay.BY_ARGUMENTS:
         return verdict is Replay.EXACT
-    schema = func._schema
-    values = _ArgumentValues(schema, args, kwargs or {})
+    values = _ArgumentValues(func._schema, args, kwargs or {})
+    write = UNDECLARED_STATE_WRITES.get(func._opname)
+    if write is not None and write.writes(values):
+        return False
+    return _draws_nothing(func, values)
+
+
+def draws_random_numbers(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Whether ``func(*args, **kwargs)`` draws from a random generator: a ``Generator`` argument; a
+    ``dropout_p`` above zero (or not known to be zero); tagged ``nondeterministic_seeded`` unless ``train``/
+    ``training`` is false, ``dropout_p`` is zero, or ``p`` is zero on ``ZERO_P_DRAWS_NOTHING`` (the module
+    docstring's rules). Fused attention at ``dropout_p == 0`` draws nothing, whatever its tag says."""
+    verdict = _draw_verdict(func)
+    if verdict is not Replay.BY_ARGUMENTS:
+        return verdict is Replay.REFUSED
+    return not _draws_nothing(func, _ArgumentValues(func._schema, args, kwargs or {}))
+
+
+def writes_undeclared_state(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Whether ``func(*args, **kwargs)`` writes state its schema does not declare (NOTE [Undeclared state
+    writes] in trace/state_writes.py): batch norm's running statistics while training."""
+    write = UNDECLARED_STATE_WRITES.get(getattr(func, "_opname", ""))
+    if write is None or getattr(func, "namespace", None) != "aten":
+        return False
+    return write.writes(_ArgumentValues(func._schema, args, kwargs or {}))
+
+
+def _draw_verdict(func: Any) -> Replay:
+    """What the schema alone says about drawing random numbers: EXACT (never draws), REFUSED (draws, or
+    nothing says it does not), BY_ARGUMENTS (``_draws_nothing`` decides)."""
+    arguments = func._schema.arguments
+    if any(_is_generator(a.type) for a in arguments):
+        return Replay.REFUSED
+    names = {a.name for a in arguments}
+    if _torch().Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        if names & {"dropout_p", *_TRAIN_ARGUMENTS} or (func._opname in ZERO_P_DRAWS_NOTHING and "p" in names):
+            return Replay.BY_ARGUMENTS
+        return Replay.REFUSED
+    return Replay.BY_ARGUMENTS if "dropout_p" in names else Replay.EXACT
+
+
+def _draws_nothing(func: Any, values: "_ArgumentValues") -> bool:
+    """The argument half of ``_draw_verdict``'s BY_ARGUMENTS (true also for an op that never draws)."""
     for train in _TRAIN_ARGUMENTS:
         if values.has(train) and values.get(train) is False:
             return True
@@ -167,6 +212,14 @@ class _ArgumentValues:
 
     def has(self, name: str) -> bool:
         return name in self._positions
+
+    def known(self, name: str) -> bool:
+        """Whether the call gives ``name`` a value: passed, or defaulted by the schema."""
+        position = self._positions.get(name)
+        if position is None:
+            return False
+        return (position < len(self._args) or name in self._kwargs
+                or self._schema.arguments[position].has_default_value())
 
     def get(self, name: str) -> Any:
         position = self._positions[name]
