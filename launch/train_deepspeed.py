@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from launch.kill_point import KillPoint, kill_flags
 from launch.cuda_ranks import rank_cuda_setup
 from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
 from launch.toy_gpt import Block, MoEFeedForward
@@ -99,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--fail-iteration", type=int, default=2)
     run.add_argument("--dist-timeout-s", type=float, default=300.0,
                      help="Collective timeout: a backstop should a peer vanish without the launcher noticing.")
+    kill_flags(run)
     run.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args(argv)
     problems = []
@@ -259,6 +261,10 @@ def train(args: argparse.Namespace) -> None:
         coordinates = chameleon.coordinates.to_dict() if chameleon is not None else {
             "rank": dist.get_rank(), "tp_rank": 0, "pp_rank": 0, "dp_rank": dist.get_rank()}
         capacity = chameleon.device.capacity_bytes if chameleon is not None else 0
+        kill = KillPoint(args, dist.get_rank())
+        engine.module.register_forward_pre_hook(lambda module, inputs: kill.forward())
+        if chameleon is not None:
+            kill.on_swap_in(chameleon.device)
         record = RankRecord(coordinates, capacity)
         gas = engine.gradient_accumulation_steps()
         rows = engine.train_micro_batch_size_per_gpu()
@@ -267,6 +273,7 @@ def train(args: argparse.Namespace) -> None:
         for iteration in range(args.iterations):
             batches = micro_batches(args, iteration, gas, rows, dp_rank, dp_size, device)
             fail = args.fail_rank == dist.get_rank() and args.fail_iteration == iteration + 1
+            kill.current = iteration + 1
             if fail:
                 _fail_next_forward(engine)
             if pipeline:
@@ -275,6 +282,7 @@ def train(args: argparse.Namespace) -> None:
                 window = []
                 for tokens, labels in batches:
                     micro_loss = engine(tokens, labels)
+                    kill.backward(micro_loss)
                     engine.backward(micro_loss)
                     engine.step()
                     window.append(micro_loss.item())

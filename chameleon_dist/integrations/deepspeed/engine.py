@@ -54,6 +54,7 @@ from chameleon_dist.integrations.deepspeed.replay import (
 )
 from chameleon_dist.integrations.held_runtime import HeldRuntime
 from chameleon_dist.integrations.open_iteration import SettingNames
+from chameleon_dist.integrations.rank_agreement import Peers, agree_on_settings
 from chameleon_dist.ranks import RankCoordinates, RankLogPrefix
 from chameleon_dist.retry import OptimizerStepOutOfMemoryError
 from chameleon_dist.runtime import Chameleon
@@ -79,8 +80,9 @@ class DeepSpeedChameleon(HeldRuntime):
     """The rank's runtime (``runtime``, a ``Chameleon``) and the hooks on one ``DeepSpeedEngine``
     (``engine.chameleon``): each accumulation window is one iteration of the runtime (``open_iteration``)."""
 
-    def __init__(self, config: ChameleonConfig, coordinates: RankCoordinates) -> None:
+    def __init__(self, config: ChameleonConfig, coordinates: RankCoordinates, peers: Peers | None = None) -> None:
         super().__init__(Chameleon(config, coordinates=coordinates), DEEPSPEED_SETTINGS)
+        self.peers = peers  # where the job's ranks run (``agree_on_settings``): a failure names a dead peer
         self._log_prefix = RankLogPrefix(coordinates).install()
         self._engine: Any = None  # the engine followed (``follow``, ``follow_pipeline``)
         self._replaying = False  # inside run_window or train_batch: an out-of-memory error is replayed, not raised
@@ -216,6 +218,9 @@ class DeepSpeedChameleon(HeldRuntime):
                 if self._replaying:
                     raise  # run_window / train_batch reset the window and run it again
                 raise self._discard_window(exc) from exc
+            gone = self.peers.describe_gone() if self.peers is not None else None
+            if gone is not None:
+                logger.error("%s", gone)  # (a survivor of a killed rank sees only a closed connection)
             self.open_iteration.fail(exc, "an accumulation window")  # (several ranks: no rank replays alone)
 
     @contextlib.contextmanager
@@ -341,9 +346,14 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     """``deepspeed.initialize`` with the same arguments and return tuple, plus ``engine.chameleon`` (the rank's
     runtime, or None without an enabled ``"chameleon"`` block).
 
+    Every rank of a multi-rank job must call it, with the same ``"chameleon"`` block (or none on every rank):
+    after DeepSpeed's own initialize, each rank compares its settings with every other rank's
+    (``rank_agreement``), with Chameleon enabled or not.
+
     Raises:
         ConfigError: the ``"chameleon"`` block is wrong, naming every key (``chameleon.<setting>``), before
-            DeepSpeed builds anything.
+            DeepSpeed builds anything; or the ranks' settings differ (naming each key and the ranks), or some
+            rank did not come to the check.
     """
     import deepspeed
 
@@ -352,23 +362,25 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     config = config_from_deepspeed(ds_config) if ds_config is not None else ChameleonConfig(enabled=False)
     result = deepspeed.initialize(*args, **kwargs)
     engine = result[0]
+    peers = agree_on_settings(config, prefix="chameleon.")  # (every rank: Chameleon on or off alike)
     if not config.enabled:
         engine.chameleon = None
         return result
-    install(engine, config)
+    install(engine, config, peers=peers)
     return result
 
 
-def install(engine: Any, config: ChameleonConfig) -> DeepSpeedChameleon:
+def install(engine: Any, config: ChameleonConfig, peers: Peers | None = None) -> DeepSpeedChameleon:
     """Install a runtime with ``config`` on a built engine (``initialize`` does this for an enabled block);
     returns it, also as ``engine.chameleon``. The installed DeepSpeed is checked first (``upstream.py``): outside
     the reviewed version range, or with changed upstream code, ``PatchRefused`` says so and nothing is touched. With ``enabled`` false the runtime only measures: nothing is
     swapped, the device meters every byte and runs out of memory at its capacity (the launchers' runs
-    without Chameleon)."""
+    without Chameleon). ``peers``: where the job's ranks run (from ``initialize``'s settings check), so that a
+    failure names a dead peer."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     verify_deepspeed()  # (upstream.py: every DeepSpeed attribute changed below, checked before any is)
-    integration = DeepSpeedChameleon(config, _coordinates(engine))
+    integration = DeepSpeedChameleon(config, _coordinates(engine), peers)
     integration.runtime.attach(engine.module)
     track_engine_buffers(integration.device, engine)  # (what initialize made: a GPU's allocator counts it)
     if engine.zero_optimization_stage() == 3:
