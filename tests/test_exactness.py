@@ -23,6 +23,7 @@ from tests.policy_traces import OP_NAMES, layered_trace
 
 aten = torch.ops.aten
 T = None  # a tensor argument: the judge reads only the schema and the non-tensor arguments
+S = torch.empty(0)  # a running statistic: given (a tensor) or not (None) decides whether batch norm writes it
 
 REFUSED = [
     # fused attention that draws its dropout mask inside the kernel (CUDA), dropout_p above zero
@@ -74,6 +75,11 @@ REFUSED = [
     (aten.mm.out, (T, T), {"out": T}),
     (aten.copy_.default, (T, T), {}),
     (aten._native_batch_norm_legit.default, (T, T, T, T, T, True, 0.1, 1e-5), {}),
+    # writes its running statistics while training, though its schema declares no write (trace/state_writes.py)
+    (aten.native_batch_norm.default, (T, T, T, S, S, True, 0.1, 1e-5), {}),
+    (aten.native_batch_norm.default, (T, T, T, S, S), {"training": True, "momentum": 0.1, "eps": 1e-5}),
+    (aten.cudnn_batch_norm.default, (T, T, T, S, S, True, 0.1, 1e-5), {}),
+    (aten.batch_norm_update_stats.default, (T, S, None, 0.1), {}),
 ]
 
 ALLOWED = [
@@ -103,12 +109,17 @@ ALLOWED = [
     (aten.dist.default, (T, T, 1), {}),
     (aten._pdist_forward.default, (T, 0.5), {}),
     (aten.renorm.default, (T, 2, 0, 1.0), {}),
+    # batch norm that writes no statistics: not training, or none given; the functional form returns them
+    (aten.native_batch_norm.default, (T, T, T, S, S, False, 0.1, 1e-5), {}),
+    (aten.native_batch_norm.default, (T, T, T, None, None, True, 0.1, 1e-5), {}),
+    (aten._native_batch_norm_legit_functional.default, (T, T, T, S, S, True, 0.1, 1e-5), {}),
+    (aten._native_batch_norm_legit_no_training.default, (T, T, T, S, S, 0.1, 1e-5), {}),
 ]
 
 
 def _id(case) -> str:
     func, args, kwargs = case
-    values = [a for a in args if a is not None and not isinstance(a, list)] + [f"{k}={v}" for k, v in kwargs.items()]
+    values = [a for a in args if a is not None and not isinstance(a, (list, torch.Tensor))] + [f"{k}={v}" for k, v in kwargs.items()]
     return f"{func}({', '.join(map(str, values))})"
 
 
@@ -178,6 +189,20 @@ def test_the_recorder_keeps_the_forward_ops_that_would_not_replay():
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in refused
     again = type(trace).from_dict(trace.to_dict())
     assert again.inexact_ops == trace.inexact_ops
+
+
+def test_the_recorder_refuses_batch_norm_only_while_it_updates_its_statistics():
+    recorder = TraceRecorder(OpVocabulary(), live_bytes=lambda: 0, parameter_storage_keys=set(), iteration=0,
+                             emulated=True)
+    bn, x = torch.nn.BatchNorm1d(8), torch.randn(4, 8)
+    with recorder:
+        bn.eval()(x)  # reads the statistics
+        bn.train()(x)  # updates them in place
+    trace = recorder.finish()
+    names = [trace.op_names[op.name_id] for op in trace.ops]
+    at = [i for i, n in enumerate(names) if n == "aten.native_batch_norm.default"]
+    assert len(at) == 2 and at[0] not in trace.inexact_ops and at[1] in trace.inexact_ops
+    assert not name_replays_exactly("aten.native_batch_norm.default")  # arguments not recorded: refused
 
 
 # ---- the policy refuses to recompute what a refused op produced ----------------------------------------
