@@ -62,11 +62,11 @@ class SharedLock:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._depth -= 1
         try:
-            if self._depth == 1 and self._deferred:
-                self._run_deferred()
+            if self._deferred and not self._depth:
+                self._run_deferred()  # (still holding the lock: work that takes it again nests)
         finally:
-            self._depth -= 1
             self.rlock.release()
 
     def run_or_defer(self, work: Callable[..., None], *args) -> None:
@@ -110,7 +110,14 @@ def lock_entry_points(cls: type, *names: str) -> None:
 def _locked(method):
     @functools.wraps(method)
     def run_locked(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
+        lock = self._lock  # (``SharedLock.__enter__`` / ``__exit__`` inlined: this runs per pack, unpack and copy)
+        with lock.rlock:
+            lock._depth += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                lock._depth -= 1
+                if lock._deferred and not lock._depth:
+                    lock._run_deferred()
 
     return run_locked
