@@ -259,3 +259,28 @@ def test_a_thread_short_of_memory_while_another_relieves_is_relieved_too():
 
     _run_together(second, first)
     assert len(relieved_on) == 2 and len(set(relieved_on)) == 2 and len(held) == 2  # each relieved once
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_backward_unpacks_on_autograds_device_thread_with_the_iterations_state(monkeypatch):
+    """On CUDA the engine runs backward on its device thread, handing it the caller's modes and hooks: the
+    executor's unpack runs there (not on the caller's thread) and is not refused as an unjoined thread."""
+    from chameleon_dist.executor.swap import SwapExecutor
+
+    unpacked_on = set()
+    unpack = SwapExecutor._unpack
+
+    def recording_unpack(self, packed):
+        unpacked_on.add(threading.get_ident())
+        return unpack(self, packed)
+
+    monkeypatch.setattr(SwapExecutor, "_unpack", recording_unpack)
+    chameleon = Chameleon({"device": {"kind": "cuda"}, "min_swap_bytes": 0, "profiler": {"warmup_iterations": 10**6}})
+    model = chameleon.attach(make_lm(0, **MODEL).cuda())
+    tokens, labels = lm_batch(0, batch=8, seq=32, vocab=MODEL["vocab"])
+    with chameleon.iteration():
+        lm_loss(model, tokens.cuda(), labels.cuda()).backward()
+    torch.cuda.synchronize()
+    assert unpacked_on and threading.get_ident() not in unpacked_on
+    assert chameleon.last_report.swap_in_bytes > 0 and all(p.grad is not None for p in model.parameters())
