@@ -55,6 +55,7 @@ from packaging.version import InvalidVersion, Version
 
 from chameleon_dist.config import ChameleonConfig
 from chameleon_dist.config.errors import ConfigError
+from chameleon_dist.integrations.rank_agreement import agree_on_settings
 from chameleon_dist.config.megatron_args import CONFIG_DEST, OVERRIDES, add_megatron_args, chain_extra_args, \
     config_from_megatron_args
 from chameleon_dist.patching import InstanceChange, Patch, PatchRefused, PatchSet, apply_patches, upstream_original, \
@@ -312,6 +313,7 @@ class MegatronLMAdaptor:
         """Install the rank's runtime on ``model`` with ``optimizer`` when the flags ask for it."""
         config = requested_config(args)
         if config is None:
+            agree_on_settings(ChameleonConfig(enabled=False))  # (ranks with Chameleon on must not wait for this one)
             logger.info("no --chameleon-* flag (or --no-chameleon): Megatron-LM runs untouched")
             return
         if optimizer is None:
