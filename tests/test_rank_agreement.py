@@ -93,3 +93,29 @@ def test_differences_name_the_prefix_and_a_setting_one_rank_lacks():
     assert differences(records, "chameleon.") == [
         'chameleon.extra differs between ranks: "<unset>" on rank 0; 1 on rank 1']
     assert differences({0: records[0], 1: records[0]}) == []
+
+
+def test_a_torchrun_restart_starts_its_own_count(monkeypatch):
+    """Attempt 0 failed after rank 0 came to the check and before rank 1 did; torchrun restarts the ranks with
+    the same store: attempt 1's ranks must meet (not rank 0's second check against rank 1's first)."""
+    store = dist.HashStore()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _ranks([ChameleonConfig(), ChameleonConfig()], store=store, wait_s=0.3, absent=(1,)).keys() == {0}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _ranks([ChameleonConfig(), ChameleonConfig()], store=store, wait_s=30) == {0: None, 1: None}
+
+
+def test_a_survivor_names_the_peer_whose_process_ended():
+    import os
+    import socket
+    import subprocess
+
+    from chameleon_dist.integrations.rank_agreement import Peers
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    here = socket.gethostname()
+    peers = Peers(0, {0: (here, os.getpid()), 1: (here, ended.pid), 2: ("another-host", ended.pid)})
+    assert peers.gone() == [1]  # (another host's processes cannot be seen from here)
+    assert peers.describe_gone().startswith(f"rank 1 of 3 is gone (process ended: pid {ended.pid} on {here})")
+    assert Peers(0, {0: (here, os.getpid()), 1: (here, os.getppid())}).describe_gone(grace_s=0) is None

@@ -14,7 +14,9 @@ collective of the check with one of its own. The waiting ranks raise after ``wai
 did not come. The integrations call the check on every rank whether Chameleon is enabled or not.
 
 Each rank counts its own calls (a counter key per rank in the store), so the n-th check of one rank meets
-the n-th check of the others (two installs in one job, one after the other). Nothing is kept in the module.
+the n-th check of the others (two installs in one job, one after the other); the keys of a torchrun restart
+(``TORCHELASTIC_RESTART_COUNT``) are its own, so an attempt that failed half-way through a check leaves the next
+attempt's counts alike. Nothing is kept in the module.
 
 The check also records where each rank runs (host and process id) and returns it as ``Peers``: when a rank's
 iteration fails in a multi-rank job, ``Peers.gone`` names the ranks of this host whose process has ended (a
@@ -140,14 +142,21 @@ def agree_on_settings(config: ChameleonConfig, *, prefix: str = "", wait_s: floa
     if store is None:
         if not dist.is_available() or not dist.is_initialized():
             return None
-        store = dist.distributed_c10d._get_default_store()
+        # (no public accessor: the default group's store, which every rank of the group shares)
+        get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+        if get_store is None:
+            logger.warning("this torch has no default process-group store: the ranks' Chameleon settings are not "
+                           "compared; start every rank with the same settings")
+            return None
+        store = get_store()
     rank = dist.get_rank() if rank is None else rank
     world_size = dist.get_world_size() if world_size is None else world_size
     if world_size <= 1:
         return None
-    call = int(store.add(f"{KEY_PREFIX}/calls/{rank}", 1))
-    keys = [f"{KEY_PREFIX}/{call}/{r}" for r in range(world_size)]
-    store.set(f"{KEY_PREFIX}/{call}/place/{rank}", json.dumps([socket.gethostname(), os.getpid()]))
+    root = f"{KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    call = int(store.add(f"{root}/calls/{rank}", 1))
+    keys = [f"{root}/{call}/{r}" for r in range(world_size)]
+    store.set(f"{root}/{call}/place/{rank}", json.dumps([socket.gethostname(), os.getpid()]))
     store.set(keys[rank], json.dumps(canonical_settings(config), sort_keys=True))  # (after the place: waited on)
     try:
         store.wait(keys, datetime.timedelta(seconds=wait_s))
@@ -167,7 +176,7 @@ def agree_on_settings(config: ChameleonConfig, *, prefix: str = "", wait_s: floa
                                       "a rank with other settings would swap or fail where its peers wait in a "
                                       "collective)"])
     logger.debug("settings agree on %d ranks (check %d)", world_size, call)
-    places = {r: json.loads(store.get(f"{KEY_PREFIX}/{call}/place/{r}")) for r in range(world_size)}
+    places = {r: json.loads(store.get(f"{root}/{call}/place/{r}")) for r in range(world_size)}
     return Peers(rank, {r: (str(host), int(pid)) for r, (host, pid) in places.items()})
 
 
