@@ -219,13 +219,16 @@ SHARES = {"gpu_tests": 0.15, "probes": 0.15, "gpu_tests_sanitized": 0.15, "megat
           "deepspeed_2rank": 0.4, "bench_gpu": 1.0}
 """Each part's share of the time left when it starts (bench_gpu takes the rest, at most ``BENCH_MAX_MINUTES``)."""
 PREFLIGHT_MAX_S = 120.0
+MAX_MINUTES = 8.0
+DRY_MAX_MINUTES = 30.0  # the dry run's times mean nothing: a loaded CPU must not time its parts out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json")
     parser.add_argument("--dry-run", action="store_true", help="the same parts on the CPU, tiny (the tests run it)")
-    parser.add_argument("--max-minutes", type=float, default=8.0, help="time box of the whole check")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help=f"time box of the whole check (default {MAX_MINUTES:g}; dry {DRY_MAX_MINUTES:g})")
     parser.add_argument("--iterations", type=int, default=None, help="rank jobs' iterations (default 12; dry 4)")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of the parts, in their order")
     args = parser.parse_args(argv)
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown --parts {unknown}: choose from {', '.join(PARTS)}")
     iterations = args.iterations or (4 if args.dry_run else 12)
+    args.max_minutes = args.max_minutes or (DRY_MAX_MINUTES if args.dry_run else MAX_MINUTES)
     shared_gpu = _shared_gpu(args.dry_run)
     started = time.monotonic()
     deadline = started + 60 * args.max_minutes

@@ -68,9 +68,9 @@ class Probes:
 
         return CudaDevice(capacity_bytes=capacity_bytes, enforce_capacity=enforce)
 
-    def batches(self, count: int | None = None) -> list[torch.Tensor]:
+    def batches(self, count: int | None = None, batch: int | None = None) -> list[torch.Tensor]:
         generator = torch.Generator().manual_seed(1)
-        shape = (self.shape["batch"], self.shape["width"])
+        shape = (batch or self.shape["batch"], self.shape["width"])
         return [torch.randn(shape, generator=generator).to(self.torch_device)
                 for _ in range(count or self.shape["iterations"])]
 
@@ -115,7 +115,8 @@ class Probes:
             torch.cuda.reset_peak_memory_stats(self.torch_device)
 
     def release(self) -> None:
-        """After a run with the capacity enforced: the whole GPU again, and the cache emptied."""
+        """Before and after a run with the capacity enforced: the whole GPU again, and the cache emptied (the
+        allocator holds the enforced capacity against its reserved bytes)."""
         if not self.dry:
             torch.cuda.synchronize()
             torch.cuda.set_per_process_memory_fraction(1.0, self.torch_device)
@@ -135,7 +136,8 @@ def _figures(run: dict) -> dict:
     return {"stages": [r["stage"] for r in reports], "peaks_bytes": [r["peak_device_bytes"] for r in reports],
             "oom_retries": sum(r["oom_retries"] for r in reports), "passive_swaps": sum(r["passive_swaps"] for r in reports),
             "pressure_waits": sum(r["pressure_waits"] for r in reports),
-            "swap_out_bytes": sum(r["swap_out_bytes"] for r in reports), "relieved_ops": run["relieved_ops"]}
+            "swap_out_bytes": sum(r["swap_out_bytes"] for r in reports),
+            "recomputed_bytes": sum(r["recomputed_bytes"] for r in reports), "relieved_ops": run["relieved_ops"]}
 
 
 def probe_relief_enforced(p: Probes) -> dict:
@@ -148,6 +150,7 @@ def probe_relief_enforced(p: Probes) -> dict:
     config = {**BASE_CONFIG, "executor": {**BASE_CONFIG["executor"], "max_oom_retries": 0}}
     attempts = []
     for fraction in RELIEF_FRACTIONS:
+        p.release()  # (cached blocks of earlier runs count against an enforced capacity on CUDA)
         model = p.tower()
         capacity_bytes = p.resident_bytes(model) + int(fraction * activation_bytes)
         attempt = {"fraction": fraction, "capacity_bytes": capacity_bytes}
@@ -168,7 +171,7 @@ def probe_relief_enforced(p: Probes) -> dict:
 
 
 def probe_side_stream_batchnorm(p: Probes) -> dict:
-    batches = p.batches(p.shape["iterations"] + 2)  # into GenPolicy (warmup_iterations 2, policy_trials 2)
+    batches = p.batches(6, p.shape["batch"] // 4)  # into Stable (warmup_iterations 2, policy_trials 2)
     runs = {}
     for name, enabled in (("without", False), ("with", True)):
         device = p.device()
@@ -254,7 +257,7 @@ def probe_copy_rates(p: Probes) -> dict:
 
 
 def probe_host_time_per_op(p: Probes) -> dict:
-    batches = p.batches(p.shape["iterations"] + 6)
+    batches = p.batches(8)  # Stable from the fifth on
     runs = {name: p.train(p.tower(), p.device(), batches, BASE_CONFIG, enabled=enabled)
             for name, enabled in (("without", False), ("with", True))}
     stable = [i for i, r in enumerate(runs["with"]["reports"]) if r["stage"] == "stable"]

@@ -47,8 +47,9 @@ def test_without_cuda_it_asks_for_the_dry_run(tmp_path, capsys):
     assert "--dry-run" in capsys.readouterr().err
 
 
-SINGLE_PROCESS_PARTS = ["gpu_tests", "probes", "gpu_tests_sanitized", "bench_gpu"]
-RANK_PARTS = ["megatron_2rank", "deepspeed_2rank"]
+SINGLE_PROCESS_PARTS = ["gpu_tests", "probes", "gpu_tests_sanitized"]
+RANK_PARTS = ["megatron_2rank", "deepspeed_2rank", "bench_gpu"]
+"""The dry run in two tests: the parts above (quick), and the rank jobs with bench_gpu (multirank tier)."""
 
 
 def _dry_run(tmp_path, parts: list[str]) -> dict:
@@ -64,8 +65,8 @@ def _dry_run(tmp_path, parts: list[str]) -> dict:
 
 
 def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated_device(tmp_path):
-    """The dry run's part without ranks (the rank jobs: the multirank test below): the gpu tests plain and under
-    the sanitizer (skipped here), every probe, bench_gpu."""
+    """The dry run's parts without ranks (the rest: the multirank test below): the gpu tests plain and under the
+    sanitizer (skipped here) and every probe."""
     parts = _dry_run(tmp_path, SINGLE_PROCESS_PARTS)["parts"]
     for name in ("gpu_tests", "gpu_tests_sanitized"):
         counts = parts[name]["counts"]
@@ -87,26 +88,27 @@ def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated
     host = probes["probes"]["host_time_per_op"]
     assert host["stable_iterations"] > 0 and host["ops_per_iteration"] > 0 and host["bit_identical"]
     assert "added_host_s_per_op" in host
-    bench = parts["bench_gpu"]["results"]
-    assert bench["emulated"] and "chameleon_swap" in bench["variants"]
 
 
 @pytest.mark.multirank  # (two-rank jobs: NOTE [The multi-rank tier] in tests/conftest.py)
 def test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_identically(tmp_path):
     parts = _dry_run(tmp_path, RANK_PARTS)["parts"]
-    for name in RANK_PARTS:
+    for name in ("megatron_2rank", "deepspeed_2rank"):
         part = parts[name]
         assert part["comparison"]["bit_identical"], name
         assert [run["returncode"] for run in part["runs"].values()] == [0, 0], name
         assert len(part["stages_per_rank"]) == 2 and all(len(s) == 4 for s in part["stages_per_rank"]), name
     assert parts["megatron_2rank"]["layout"]["tp"] == 2 and parts["deepspeed_2rank"]["zero_stage"] == 2
+    bench = parts["bench_gpu"]["results"]
+    assert bench["emulated"] and "chameleon_swap" in bench["variants"]
 
 
 def test_a_missing_module_ends_the_check_before_any_part_naming_what_to_carry(tmp_path, monkeypatch, capsys):
     from launch import gpu_preflight
 
     missing = "no_such_distribution_for_the_check"
-    monkeypatch.setitem(gpu_preflight.PART_MODULES, "bench_gpu", ("launch.bench_gpu", missing))
+    monkeypatch.setitem(gpu_preflight.PART_MODULES, "gpu_tests", ("json",))  # (cheap stand-ins for the parts' modules)
+    monkeypatch.setitem(gpu_preflight.PART_MODULES, "bench_gpu", ("json", missing))
     assert gpu_check.main(["--out", str(tmp_path), "--dry-run", "--parts", "gpu_tests,bench_gpu"]) == 2
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["parts"] == {} and not result["ok"]  # nothing ran
