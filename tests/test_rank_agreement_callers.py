@@ -17,3 +17,29 @@ def test_megatron_lm_without_chameleon_flags_still_takes_part_in_the_check(monke
     adaptor.install_on(model=None, optimizer=None, args=argparse.Namespace())  # no --chameleon-* flag
     assert adaptor.chameleon is None
     assert [config.enabled for config in seen] == [False]
+
+
+def test_deepspeed_install_by_hand_compares_the_settings_before_it_touches_the_engine(monkeypatch):
+    """``install`` called by hand (the Trainer callback, the launchers' measuring-only runs) checks the ranks'
+    settings first; ``initialize`` hands its own check's result on, so a rank checks once per install."""
+    import pytest
+
+    pytest.importorskip("deepspeed")
+    from chameleon_dist.integrations.deepspeed import engine as ds_engine
+
+    class Refused(Exception):
+        pass
+
+    calls = []
+
+    def refuse(config, **kwargs):
+        calls.append(kwargs)
+        raise Refused
+
+    monkeypatch.setattr(ds_engine, "agree_on_settings", refuse)
+    with pytest.raises(Refused):
+        ds_engine.install(object(), ChameleonConfig())  # (an engine it would fail on: nothing was touched)
+    assert calls == [{"prefix": "chameleon."}]
+    with pytest.raises(AttributeError):  # given initialize's result, it goes on to the engine
+        ds_engine.install(object(), ChameleonConfig(), peers=object())
+    assert len(calls) == 1

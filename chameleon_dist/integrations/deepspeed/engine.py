@@ -375,11 +375,14 @@ def install(engine: Any, config: ChameleonConfig, peers: Peers | None = None) ->
     returns it, also as ``engine.chameleon``. The installed DeepSpeed is checked first (``upstream.py``): outside
     the reviewed version range, or with changed upstream code, ``PatchRefused`` says so and nothing is touched. With ``enabled`` false the runtime only measures: nothing is
     swapped, the device meters every byte and runs out of memory at its capacity (the launchers' runs
-    without Chameleon). ``peers``: where the job's ranks run (from ``initialize``'s settings check), so that a
-    failure names a dead peer."""
+    without Chameleon). ``peers``: where the job's ranks run, from ``initialize``'s settings check; without it
+    (``install`` called by hand, on every rank) the ranks' settings are compared here (``rank_agreement``), so that
+    a failure names a dead peer."""
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     verify_deepspeed()  # (upstream.py: every DeepSpeed attribute changed below, checked before any is)
+    if peers is None:
+        peers = agree_on_settings(config, prefix="chameleon.")
     integration = DeepSpeedChameleon(config, _coordinates(engine), peers)
     integration.runtime.attach(engine.module)
     track_engine_buffers(integration.device, engine)  # (what initialize made: a GPU's allocator counts it)
