@@ -92,15 +92,19 @@ def test_fused_attention_with_dropout_that_runs_short_is_not_retried(name):
 
 def test_cpu_attention_that_runs_short_is_retried_bit_identically():
     """Real data: sdpa on CPU runs ``_scaled_dot_product_flash_attention_for_cpu`` (seeded, dropout_p=0)."""
-    result, calls, device, expected = _run_short(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                                 _qkv("cpu"))
+    inputs = _qkv("cpu")
+    random_state = torch.get_rng_state()
+    result, calls, device, expected = _run_short(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), inputs)
     assert len(calls) == 1 and device.dispatch.relieved_ops == 1
     assert torch.equal(result, expected)
+    assert torch.equal(torch.get_rng_state(), random_state)  # neither run drew from the generator
 
 
 def test_retryable_reads_dropout_p_where_the_judge_does():
     q = torch.empty(0)
-    flash, efficient = aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default
+    flash = aten._scaled_dot_product_flash_attention.default
+    efficient = aten._scaled_dot_product_efficient_attention.default
     assert retryable(flash, (q, q, q), {}) and retryable(flash, (q, q, q, 0.0, True), {})
     assert not retryable(flash, (q, q, q, 0.2), {}) and not retryable(flash, (q, q, q), {"dropout_p": 0.2})
     assert retryable(efficient, (q, q, q, None, True), {"dropout_p": 0.0})
