@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
@@ -47,8 +47,10 @@ class GradientSnapshot:
     made with a blocking copy. Gradients that a closure writes in place before its first backward (other
     than zeroing them) are not seen. ``host_bytes`` says how much was copied; ``close`` ends it."""
 
-    def __init__(self, parameters: Iterable[torch.Tensor], device: Device | None = None) -> None:
+    def __init__(self, parameters: Iterable[torch.Tensor], device: Device | None = None,
+                 hide_own_ops: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:
         self._device = device
+        self._hide_own_ops = hide_own_ops  # (the profiler's ``quiet``: NOTE [Chameleon's own ops are never the program's])
         unique = list({id(p): p for p in parameters}.values())
         self._saved: list[tuple[torch.Tensor, torch.Tensor | None]] = [(p, p.grad) for p in unique]
         self._versions = [None if g is None else g._version for _, g in self._saved]  # as the iteration began
@@ -67,7 +69,13 @@ class GradientSnapshot:
         return any(saved is parameter for saved, _ in self._saved)
 
     def _before_accumulation(self, position: int, incoming: torch.Tensor) -> None:
-        """Autograd is about to add ``incoming`` into the parameter's gradient: keep its starting bits first."""
+        """Autograd is about to add ``incoming`` into the parameter's gradient: keep its starting bits first. Its
+        ops (a host buffer, the copy) are the snapshot's, never the program's: whether a copy is made depends on
+        whether the zero check has landed, i.e. on how far the host ran ahead of the device."""
+        with self._hide_own_ops():
+            self._keep(position)
+
+    def _keep(self, position: int) -> None:
         parameter, grad = self._saved[position]
         if position in self._copies or position in self._zeroed or parameter.grad is not grad:
             return  # kept already, or the gradient was replaced (the starting tensor is untouched)
@@ -95,7 +103,7 @@ class GradientSnapshot:
         retry apply the closure's write twice."""
         if self._device is not None:
             self._device.synchronize()  # (a retry: the host may read the copies and the zero answers now)
-        with torch.no_grad():
+        with torch.no_grad(), self._hide_own_ops():
             for position, (parameter, grad) in enumerate(self._saved):
                 if grad is None:
                     parameter.grad = None
@@ -122,11 +130,12 @@ class GradientSnapshot:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for kept in self._copies.values():
-            if not isinstance(kept, torch.Tensor):
-                self._device.release_host(kept.result)
-        self._copies.clear()
-        self._nonzero.close()
+        with self._hide_own_ops():
+            for kept in self._copies.values():
+                if not isinstance(kept, torch.Tensor):
+                    self._device.release_host(kept.result)
+            self._copies.clear()
+            self._nonzero.close()
 
 
 def _current(grad: torch.Tensor, kept: Any) -> torch.Tensor:

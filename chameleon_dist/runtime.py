@@ -39,6 +39,7 @@ from chameleon_dist.device.iteration_times import IterationTimes
 from chameleon_dist.executor import IterationContext, SwapCounters, SwapExecutor
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
+from chameleon_dist.policy.ranking import TrialRanking
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController
 from chameleon_dist.profiler.online import Observation, OnlineProfiler
 from chameleon_dist.ranks import RankCoordinates
@@ -161,7 +162,8 @@ class Chameleon:
             self.device.emulated,
             timer=functools.partial(self.device.timer, keep_waits=True),  # (layer times without copy waits)
         )
-        self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes)
+        self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes,
+                                           ranking=TrialRanking(profiler.trial_margin, profiler.trial_repeats))
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._iteration = 0
         self._running: _Running | None = None
@@ -358,7 +360,8 @@ class Chameleon:
                 loss = chameleon.run_iteration(lambda: train_step(model, batch), optimizer=optimizer)
         """
         retries = self._retries()
-        gradients = GradientSnapshot(self._retry_parameters(optimizer), self.device) if retries else None
+        gradients = GradientSnapshot(self._retry_parameters(optimizer), self.device,
+                                     hide_own_ops=self.profiler.scope.quiet) if retries else None
         with self.iteration(), contextlib.closing(gradients) if retries else contextlib.nullcontext():
             random_state = RandomState(self.device)
 

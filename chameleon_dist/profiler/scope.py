@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -141,7 +142,14 @@ class TrainingScope:
         self._entered_with_grad: list[bool] = []
         self._grad_forwards = 0
         self._optimizer_steps = False
-        self.paused = False
+        self._quiet = threading.local()  # ``depth``: ``quiet()`` blocks this thread is inside
+
+    @property
+    def paused(self) -> bool:
+        """Whether this thread runs Chameleon's own ops now (``quiet``): the profiler does not record them. Per
+        thread: a hook's ops run on the thread that runs the hook (a joined worker's pack, autograd's device
+        thread's unpack), and another thread's model ops meanwhile are still the model's."""
+        return getattr(self._quiet, "depth", 0) > 0
 
     @property
     def optimizer_active(self) -> bool:
@@ -177,12 +185,13 @@ class TrainingScope:
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
-        before = self.paused
-        self.paused = True
+        """Chameleon's own ops inside (NOTE [Chameleon's own ops are never the program's]): not recorded."""
+        local = self._quiet
+        local.depth = getattr(local, "depth", 0) + 1
         try:
             yield
         finally:
-            self.paused = before
+            local.depth -= 1
 
 
 def _grad_node(values: Any):
