@@ -115,7 +115,9 @@ def _ranks(ranks: list[int]) -> str:
 
 def differences(records: Mapping[int, Mapping[str, Any]], prefix: str = "") -> list[str]:
     """One line per setting that is not the same on every rank: its path (after ``prefix``, e.g.
-    ``chameleon.``) and the ranks on each value; ``enabled`` first. Empty when the ranks agree."""
+    ``chameleon.``) and the ranks on each value. When ``enabled`` differs it is the only line: the other
+    settings of a rank with Chameleon off are not used (a DeepSpeed config without the block has only defaults).
+    Empty when the ranks agree."""
     paths = sorted({path for record in records.values() for path in record}, key=lambda p: (p != "enabled", p))
     lines = []
     for path in paths:
@@ -125,6 +127,8 @@ def differences(records: Mapping[int, Mapping[str, Any]], prefix: str = "") -> l
         if len(by_value) > 1:
             values = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in by_value.items())
             lines.append(f"{prefix}{path} differs between ranks: {values}")
+            if path == "enabled":
+                break
     return lines
 
 
