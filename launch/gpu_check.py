@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         write()
         print(f"[gpu_check] nothing ran (no device time spent); results in {path}", file=sys.stderr)
         return 2
+    write()  # (the preflight's findings, kept if the check is killed later)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         for name in ordered:
