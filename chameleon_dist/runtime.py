@@ -44,6 +44,7 @@ from chameleon_dist.policy.selection import IterationOutcome, PolicyController
 from chameleon_dist.profiler.online import Observation, OnlineProfiler
 from chameleon_dist.ranks import RankCoordinates
 from chameleon_dist.report import IterationReport
+from chameleon_dist.retry_buffers import BufferSnapshot
 from chameleon_dist.retry import GradientSnapshot, RandomState, final_out_of_memory, optimizer_state_guard
 from chameleon_dist.trace.stages import RetryCause, Stage
 from chameleon_dist.units import format_bytes
@@ -403,24 +404,41 @@ class Chameleon:
         if self._running is None:
             raise RuntimeError("Chameleon.retry_out_of_memory runs inside an open iteration: enter iteration() first")
         retries = self._retries()
-        for attempt_number in range(retries + 1):
-            try:
-                return attempt()
-            except torch.OutOfMemoryError as exc:
-                if self._running is None:  # the attempt closed the iteration: nothing is left to retry
-                    raise
-                if attempt_number == retries:
-                    final = self._final_out_of_memory(exc, attempt_number)
-                    if on_last is not None:
-                        on_last(final)
-                    if final is exc:
+        buffers = self._buffer_snapshot() if retries else None
+        try:
+            for attempt_number in range(retries + 1):
+                try:
+                    return attempt()
+                except torch.OutOfMemoryError as exc:
+                    if self._running is None:  # the attempt closed the iteration: nothing is left to retry
                         raise
-                    raise final from exc
-                reason = str(exc)
-                drop_failed_frames(exc)
-            reset()
-            self._recover(reason)
+                    if attempt_number == retries:
+                        final = self._final_out_of_memory(exc, attempt_number)
+                        if on_last is not None:
+                            on_last(final)
+                        if final is exc:
+                            raise
+                        raise final from exc
+                    reason = str(exc)
+                    drop_failed_frames(exc)
+                if buffers is not None:
+                    buffers.restore()
+                reset()
+                self._recover(reason)
+        finally:
+            if buffers is not None:
+                self.device.dispatch.before_write = None
+                buffers.close()
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _buffer_snapshot(self) -> BufferSnapshot | None:
+        """The attached modules' buffers, kept before an attempt first writes each, for a retry to give back
+        (NOTE [Buffers a retry gives back] in ``retry_buffers.py``); None when they have none."""
+        snapshot = BufferSnapshot(self._models, self.device, hide_own_ops=self.profiler.scope.quiet)
+        if not snapshot or getattr(self.device, "dispatch", None) is None:
+            return None
+        self.device.dispatch.before_write = snapshot.before_write
+        return snapshot
 
     def _retries(self) -> int:
         """How many times an iteration that ran out of memory runs again (never when disabled)."""

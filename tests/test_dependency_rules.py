@@ -24,9 +24,11 @@ ALLOWED = {
     "report": {"units"},
     "ranks": {"units"},
     "retry": {"units", "device"},
+    # the modules' buffers a retry gives back: which ops write them is the trace's vocabulary
+    "retry_buffers": {"units", "device", "trace"},
     "runtime": {
         "units", "config", "trace", "device", "profiler", "policy", "executor", "planner", "report", "retry",
-        "ranks",
+        "retry_buffers", "ranks",
     },
     "integrations": None,  # anything
     "cli": None,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -62,6 +63,9 @@ class DeviceDispatch(TorchDispatchMode):
         self.relieved_ops = 0  # ops that ran out of memory, were relieved and ran again
         self.relief_freed_bytes = 0
         self.producers = ProducerStreams()  # NOTE [Producer and reader streams] in producers.py
+        # called with (func, args, kwargs) before each op runs (the runtime's ``BufferSnapshot``: NOTE
+        # [Buffers a retry gives back] in retry_buffers.py); None: nothing to hear
+        self.before_write: Callable[[Any, tuple, dict], None] | None = None
 
     @property
     def relieving(self) -> bool:
@@ -83,6 +87,8 @@ class DeviceDispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         backend = self.backend
+        if self.before_write is not None:
+            self.before_write(func, args, kwargs)
         try:
             out = backend.run_op(func, args, kwargs)
             self.producers.note(out, backend.current_stream())

@@ -138,6 +138,20 @@ def writes_undeclared_state(func: Any, args: tuple = (), kwargs: dict | None = N
     return write.writes(_ArgumentValues(func._schema, args, kwargs or {}))
 
 
+def undeclared_state_written(func: Any, args: tuple = (), kwargs: dict | None = None) -> list:
+    """The tensors ``func(*args, **kwargs)`` writes although its schema does not say so (NOTE [Undeclared state
+    writes] in trace/state_writes.py): batch norm's running statistics while training; [] for any other call."""
+    write = UNDECLARED_STATE_WRITES.get(getattr(func, "_opname", ""))
+    if write is None or getattr(func, "namespace", None) != "aten":
+        return []
+    values = _ArgumentValues(func._schema, args, kwargs or {})
+    if not write.writes(values):
+        return []
+    torch = _torch()
+    return [t for t in (values.get(name) if values.known(name) else None for name in write.written)
+            if isinstance(t, torch.Tensor)]
+
+
 def _draw_verdict(func: Any) -> Replay:
     """What the schema alone says about drawing random numbers: EXACT (never draws), REFUSED (draws, or
     nothing says it does not), BY_ARGUMENTS (``_draws_nothing`` decides)."""
