@@ -279,9 +279,14 @@ PROBES = {"relief_enforced": probe_relief_enforced, "side_stream_batchnorm": pro
 
 
 def gpu_preset():
-    """The preset named in this GPU's name (H200 -> h200; gh200 before h200), or None."""
-    name = torch.cuda.get_device_properties(torch.cuda.current_device()).name.lower()
-    for preset in sorted(PRESETS, key=lambda p: -len(p.name)):
+    """The preset of this GPU (``preset_for``), or None."""
+    return preset_for(torch.cuda.get_device_properties(torch.cuda.current_device()).name)
+
+
+def preset_for(gpu_name: str):
+    """The preset whose model is named in ``gpu_name`` (NVIDIA H200 -> h200; gh200 is tried before h200), or None."""
+    name = gpu_name.lower()
+    for preset in sorted(PRESETS, key=lambda p: -len(p.name.split("-")[0])):
         if preset.name.split("-")[0] in name:
             return preset
     return None

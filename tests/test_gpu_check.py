@@ -201,3 +201,12 @@ def test_a_part_past_its_time_limit_ends_with_every_process_it_started(tmp_path)
             break
         time.sleep(0.1)
     assert not _alive(pid), "the grandchild outlived its part"
+
+
+def test_the_probes_compare_a_gpu_with_the_preset_its_name_names():
+    from launch.gpu_probes import preset_for
+
+    assert preset_for("NVIDIA H200").name == "h200" and preset_for("NVIDIA H200 NVL").name == "h200"
+    assert preset_for("NVIDIA GH200 480GB").name == "gh200"  # (not h200, which its name also holds)
+    assert preset_for("NVIDIA H100 PCIe").name == "h100-pcie" and preset_for("NVIDIA A100-SXM4-80GB").name == "a100-pcie"
+    assert preset_for("NVIDIA GeForce RTX 4090") is None
