@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from launch.compare_reports import compare, stable_window
-from launch.gpu_preflight import preflight
+from launch.gpu_preflight import gpu_test_files, preflight
 from launch.harness import header
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,12 +55,6 @@ END_GRACE_S = 10.0  # a part past its limit: SIGTERM, then SIGKILL after this
 BENCH_MAX_MINUTES = 3.0
 MEGATRON_CAPACITY = "8MB"  # the tp2 layout's tested capacity (tests/test_megatron_ranks.py)
 DEEPSPEED_CAPACITY = "9MiB"  # zero2's (tests/test_deepspeed_ranks.py)
-
-
-def gpu_test_files() -> list[str]:
-    """The test files with ``gpu``-marked tests."""
-    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
-                  if "pytest.mark.gpu" in p.read_text())
 
 
 def _descendants(pid: int) -> list[int]:

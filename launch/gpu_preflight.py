@@ -24,9 +24,16 @@ COMMON = ("torch", "numpy", "yaml", "packaging", "pydantic", "pydantic_core", "a
 DEEPSPEED_OWN = ("einops", "msgpack", "hjson", "psutil", "tqdm", "ninja", "cpuinfo")
 """DeepSpeed 0.19's requirements (``importlib.metadata.requires('deepspeed')``) other than torch, numpy,
 packaging and pydantic, by import name."""
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with ``gpu``-marked tests (what the ``gpu_tests`` parts run)."""
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+                  if "pytest.mark.gpu" in p.read_text())
+
+
 PART_MODULES: dict[str, tuple[str, ...]] = {
-    "gpu_tests": (*COMMON, "pytest", "tests.conftest", "tests.test_cuda_device", "tests.test_cuda_memory",
-                  "tests.test_gpu_training"),
+    "gpu_tests": (*COMMON, "pytest", "tests.conftest", *(f.removesuffix(".py").replace("/", ".") for f in gpu_test_files())),
     "probes": (*COMMON, "launch.gpu_probes"),
     "megatron_2rank": (*COMMON, "megatron.core", "launch.train_megatron", "launch.compare_reports"),
     "deepspeed_2rank": (*COMMON, *DEEPSPEED_OWN, "deepspeed", "deepspeed.runtime.zero.stage_1_and_2",
