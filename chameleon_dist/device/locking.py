@@ -32,6 +32,10 @@ held by its thread (always, with one thread: the single-threaded behaviour is un
 the holder, which runs it before it lets go of the lock.
 
 The cost with one thread is one uncontended acquire per entry point (not per tensor or per op of a loop).
+
+Not covered yet: an op relieved on one thread is retried once, and another thread's allocation may take what
+relief freed before the retry runs (under a tight budget two threads can run out of memory where one fits);
+the simulated allocator's own finalizer (a dead block) still waits for its lock.
 """
 
 from __future__ import annotations
