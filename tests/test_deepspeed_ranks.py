@@ -27,10 +27,14 @@ pytestmark = pytest.mark.multirank  # (NOTE [The multi-rank tier] in tests/conft
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs" / "deepspeed"
 ITERATIONS = 4
-# Layouts trained long enough to reach the steady state: 2 WarmUp and 5 trial iterations, then Stable
-STEADY_ITERATIONS = {"zero2": 12, "fp16-window": 12}
+# Layouts trained long enough to reach the steady state: 2 WarmUp and 5 trial iterations (zero2: and up to
+# profiler.trial_repeats (2) repeats of a close pair), then Stable
+STEADY_ITERATIONS = {"zero2": 14, "fp16-window": 12}
 MIN_STABLE_ITERATIONS = 4
 STEADY_HOST_OP_S = 2e-5  # a fixed host cost per op: each rank's trials, so its Stable policy, repeat on every machine
+# zero2 settles with the host's measured time (issue 37 item 6): its trials carry this machine's noise, as a GPU's
+# would, and are ranked with profiler.trial_margin; fp16-window's overflows must fall on known iterations
+FIXED_HOST = ("fp16-window",)
 UNLIMITED = "4GB"
 MIB = 2**20
 
@@ -71,7 +75,7 @@ def results(tmp_path_factory):
     for name, (file, changes, _, capacity) in LAYOUTS.items():
         config = json.loads((CONFIGS / file).read_text())
         config.update(changes)
-        if name in STEADY_ITERATIONS:
+        if name in FIXED_HOST:
             config["chameleon"]["device"]["host_op_s"] = STEADY_HOST_OP_S
         path = work / f"{name}.ds.json"
         path.write_text(json.dumps(config))

@@ -190,6 +190,16 @@ class ProfilerConfig(_Section):
         5, ge=1, description="Candidate policies generated and tried; the fastest that fits is kept.",
         json_schema_extra=_hint("use a whole number >= 1 (e.g. 5)"),
     )
+    trial_margin: Ratio = Field(
+        0.03, ge=0, lt=1, description="Trials whose measured iteration times are within this fraction of the "
+        "fastest count as equally fast: the one that swaps less is kept, and a close pair is tried again.",
+        json_schema_extra=_hint("use a fraction in [0, 1) such as 0.03"),
+    )
+    trial_repeats: Count = Field(
+        2, ge=0, description="Extra GenPolicy iterations that may try a close pair of trials again before "
+        "Stable (none with a fixed device.host_op_s: the emulated device's times then repeat exactly).",
+        json_schema_extra=_hint("use a whole number >= 0 (e.g. 2)"),
+    )
     length_change: Ratio = Field(
         0.05, gt=0, lt=1, description="Relative change that counts: the number of ops and the bytes saved for "
         "backward both changing by it is a new program (sequence_changed, a new policy); the saved bytes alone, "

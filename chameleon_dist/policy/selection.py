@@ -14,7 +14,12 @@ Per stage (the paper's Algorithm 1, ``trace.stages``):
   swaps under a policy predicted to fit make the next policies aim lower by what it missed, and the
   trials go on; a mispredicted compute time rescales the trace's op times). When no policy is predicted
   to fit, the closest ones are tried, passive swap taking the remainder (``policy.trials``).
-- **Stable** applies the fastest policy that held with headroom: its measured peak at least the largest move
+- **GenPolicy's end** waits for a close pair: when the trials' ranking is contested (``policy.ranking``: within
+  ``profiler.trial_margin`` of the fastest, a policy that swaps less than the fastest, or swapping everything a
+  little faster), the verdict asks for another trial (``Verdict.more_trials``) and the pair is tried again, up to
+  ``profiler.trial_repeats`` extra iterations. Each rank ranks its own trials: its policy is its own (its layers,
+  its shard) and no collective depends on it, so the ranks need not agree on it.
+- **Stable** applies the fastest policy that held with headroom (within the margin, the one that swaps less): its measured peak at least the largest move
   of one policy's peak between its trials (timing jitter, routing, shapes) under what a policy must stay
   under; or swaps everything, when that was measured faster than every policy that held (the last resort; also
   when no trial held, none is predicted to fit, and swapping everything held in WarmUp without passive swap).
@@ -49,6 +54,7 @@ from chameleon_dist.policy.generator import generate_policies
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.outcome import IterationOutcome, RetryAction
+from chameleon_dist.policy.ranking import TrialRanking
 from chameleon_dist.policy.scaling import grown
 from chameleon_dist.policy.tightening import (
     GROWTH_TOLERANCE,
@@ -110,6 +116,8 @@ class PolicyController:
             out-of-memory errors); ``reserve_bytes`` is the controller's own (it grows when policies miss).
         capacity_bytes: the device's memory. A Stable peak over the budget but not over this is
             tightened in place; None: every Stable peak over the budget sends the runtime to WarmUp.
+        ranking: the trials' noise margin and how many extra trials a close pair may take
+            (``profiler.trial_margin``, ``profiler.trial_repeats``; ``policy.ranking``).
 
     Read API (for reports and benchmarks): ``chosen`` (the policy Stable applies, or None),
     ``version`` (how many times one was chosen), ``candidates``, ``results`` (the trials of the current
@@ -129,9 +137,12 @@ class PolicyController:
         controller.follow(transition, outcome)
     """
 
-    def __init__(self, settings: PolicySettings, capacity_bytes: int | None = None) -> None:
+    def __init__(self, settings: PolicySettings, capacity_bytes: int | None = None,
+                 ranking: TrialRanking = TrialRanking()) -> None:
         self.settings = settings
         self.capacity_bytes = capacity_bytes
+        self.ranking = ranking  # how trials are ranked: the noise margin and the repeats of a close pair
+        self._repeat: Policy | None = None  # the close pair's policy the next GenPolicy iteration tries again
         self.candidates: list[Policy] = []
         self.results: list[TrialResult] = []
         self.chosen: Policy | None = None
@@ -190,13 +201,13 @@ class PolicyController:
         if stage == Stage.GEN_POLICY:
             if self._need_policies or self._regenerate:
                 if self._need_policies:
-                    self.results, self._explore_bytes = [], 0
+                    self.results, self._explore_bytes, self._repeat = [], 0, None
                 self._need_policies = False
                 if trace is None:
                     return None
                 stall_s = self._trace_stall_s.get(trace.iteration, 0.0)
                 self._generate(compute_only(trace, stall_s, self.time_scale), min_swap_bytes)
-            return next_trial(self.candidates, self.results)
+            return self._repeat if self._repeat is not None else next_trial(self.candidates, self.results)
         if stage == Stage.STABLE:
             return self.chosen
         return None
@@ -209,14 +220,30 @@ class PolicyController:
         over_budget, absorbed, tightened = self._judge(outcome)
         # a trial that failed is fed back and the trials go on (``_judge``): the trace is still this program's
         trial = outcome.stage == Stage.GEN_POLICY and outcome.policy is not None
+        self._repeat = self._next_repeat() if trial else None
+        more = self._repeat is not None
         counted = (0 if absorbed else outcome.passive_swaps) + (0 if trial else outcome.failed_attempt_passive_swaps)
         absorbed_swaps = outcome.passive_swaps if absorbed else 0
         if counted and outcome.stage != Stage.WARMUP:
             return Verdict(TransitionCause.PASSIVE_SWAP, f"{counted} passive swap(s): the device ran out of memory",
-                           absorbed_swaps, tightened)
+                           absorbed_swaps, tightened, more)
         if over_budget:
-            return Verdict(TransitionCause.OVER_BUDGET, over_budget, absorbed_swaps, tightened)
-        return Verdict(None, "", absorbed_swaps, tightened)
+            return Verdict(TransitionCause.OVER_BUDGET, over_budget, absorbed_swaps, tightened, more)
+        return Verdict(None, "", absorbed_swaps, tightened, more)
+
+    def _next_repeat(self) -> Policy | None:
+        """After the GenPolicy stage's ``settings.trials`` trials: the policy of a contested ranking to try
+        again (``policy.ranking.to_repeat``), while fewer than ``ranking.max_repeats`` extra trials ran; else
+        None (the trials are done)."""
+        extra = len(self.results) - self.settings.trials
+        if extra < 0 or extra >= self.ranking.max_repeats:
+            return None
+        choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s, self.ranking.margin)
+        if choice.repeat is not None:
+            logger.info("trials within %.1f%% of each other (the fastest swaps more, or swapping everything was as "
+                        "fast): policy %s tried again (extra trial %d of at most %d)", 100 * self.ranking.margin,
+                        choice.repeat.name, extra + 1, self.ranking.max_repeats)
+        return choice.repeat
 
     def _judge(self, outcome: IterationOutcome) -> tuple[str, bool, bool]:
         """``record``'s accounting: the reason when a Stable iteration went over what its policy must stay
@@ -381,6 +408,7 @@ class PolicyController:
         if transition.after == Stage.GEN_POLICY:
             self._need_policies = True
         elif transition.after == Stage.STABLE:
+            self._repeat = None
             self._choose()
         elif transition.after == Stage.WARMUP and transition.before != Stage.WARMUP and (
             transition.cause == TransitionCause.OVER_BUDGET
@@ -475,7 +503,7 @@ class PolicyController:
         self.chosen = None
         if not self.results:
             return
-        choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s)
+        choice = choose(self.results, self.allowed_peak_bytes, self._swap_all_iteration_s, self.ranking.margin)
         if choice.best is None and not choice.swap_all_faster and self._choose_untried():
             return
         if choice.best is None:

@@ -12,9 +12,10 @@ calls them. They live apart so that the rules a tight budget depends on are in o
   a policy must stay under. A policy predicted to fit must also need no passive swap (one that did
   missed, and the next policies aim lower by what it missed); a policy predicted short was tried knowing
   that passive swap takes the remainder, so its passive swaps are its expected cost, measured in its time.
-- **Choice.** The fastest trial that held with headroom, compared on measured iteration time with the
-  swap-everything executor's (measured in WarmUp): swapping everything is the last resort, kept only when
-  it was measured faster than every policy that held.
+- **Choice.** The fastest policy that held with headroom, compared on measured iteration time with the
+  swap-everything executor's (measured in WarmUp), with a noise margin (``policy.ranking``): within it, the
+  policy that swaps less wins and a close pair is tried again; swapping everything is the last resort, kept
+  only when it was measured faster than every policy that held by more than the margin.
 - **Feedback.** What a trial missed (its peak over its prediction, the bytes passive swap moved under a
   policy predicted to fit) makes the next policies aim that much lower; a trial that stalled for op times
   the trace had wrong rescales them (``trial_feedback``, ``compute_only``).
@@ -26,6 +27,7 @@ import dataclasses
 
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.outcome import IterationOutcome
+from chameleon_dist.policy.ranking import DEFAULT_TRIAL_MARGIN, rank, standings, to_repeat
 from chameleon_dist.trace.step_trace import StepTrace
 
 STALL_TOLERANCE = 0.02  # of the iteration: more unpredicted stall than this triggers a timing rescale
@@ -63,6 +65,7 @@ class Choice:
     headroom_bytes: int
     roomy: bool
     swap_all_faster: bool
+    repeat: Policy | None = None  # a close pair's policy to try again before settling (``policy.ranking.to_repeat``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,20 +182,20 @@ def peak_variation_bytes(results: list[TrialResult]) -> int:
     return max((max(p) - min(p) for p in peaks.values() if len(p) > 1), default=0)
 
 
-def choose(results: list[TrialResult], allowed_peak_bytes: int, swap_all_iteration_s: float | None) -> Choice:
-    """The fastest trial that held with headroom (its measured peak plus ``peak_variation_bytes`` within
-    ``allowed_peak_bytes``; per policy, its fastest trial), the fastest that held when none has headroom,
-    none when none held or when ``swap_all_iteration_s`` (the swap-everything executor's measured
-    iteration time, None when not measured on this sequence) beats every trial that held."""
-    held = [r for r in results if r.held]
+def choose(results: list[TrialResult], allowed_peak_bytes: int, swap_all_iteration_s: float | None,
+           margin: float = DEFAULT_TRIAL_MARGIN) -> Choice:
+    """What to keep from ``results`` (``policy.ranking``): per policy, its fastest trial and highest peak, held
+    only when every trial held; among those with headroom (the peak plus ``peak_variation_bytes`` within
+    ``allowed_peak_bytes``; every held one when none has it), the one that swaps least within ``margin`` of
+    the fastest; none when none held or when ``swap_all_iteration_s`` (the swap-everything executor's measured
+    iteration time, None when not measured on this sequence) is faster than every policy that held by more
+    than ``margin``. ``Choice.repeat`` names the policy to try again when the ranking is contested."""
     headroom_bytes = peak_variation_bytes(results)
-    if not held:
-        return Choice(None, headroom_bytes, roomy=False, swap_all_faster=False)
-    roomy = [r for r in held if r.peak_bytes + headroom_bytes <= allowed_peak_bytes]
-    best = min(roomy or held, key=lambda r: r.iteration_s)
-    if swap_all_iteration_s is not None and swap_all_iteration_s < min(r.iteration_s for r in held):
-        return Choice(None, headroom_bytes, roomy=bool(roomy), swap_all_faster=True)
-    return Choice(best, headroom_bytes, roomy=bool(roomy), swap_all_faster=False)
+    ranked = rank(standings(results), allowed_peak_bytes, headroom_bytes, swap_all_iteration_s, margin)
+    best = ranked.best
+    kept = TrialResult(best.policy, best.iteration_s, best.peak_bytes, True, best.passive_swap_bytes) if best else None
+    return Choice(kept, headroom_bytes, roomy=ranked.roomy, swap_all_faster=ranked.swap_all_faster,
+                  repeat=to_repeat(ranked))
 
 
 def expected_passive_swap_bytes(results: list[TrialResult], policy: Policy) -> int:

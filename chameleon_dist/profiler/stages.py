@@ -1,7 +1,8 @@
 """The stage machine (the paper's Algorithm 1): WarmUp -> GenPolicy -> Stable, and back on a change.
 
 - WarmUp (``warmup_iterations``): detailed profiling; out-of-memory is absorbed by passive swap.
-- GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration.
+- GenPolicy (``policy_trials``): a policy is generated from the latest trace and tried per iteration; it lasts
+  longer while the controller's verdict asks for more trials (``Verdict.more_trials``: a close pair tried again).
 - Stable: only the cheap signature. A sequence change (a new program), or the policy controller's verdict
   that the policy stopped holding (``trace.stages.Verdict``: a passive swap, a peak above the memory budget,
   that the controller could not absorb) returns to WarmUp. The controller decides what it absorbs
@@ -45,7 +46,7 @@ class StageMachine:
         if self.stage == Stage.WARMUP and self._done_in_stage >= self.warmup_iterations:
             return self._go(Stage.GEN_POLICY, TransitionCause.PROFILED,
                             f"{self._done_in_stage} warm-up iteration(s) profiled", before)
-        if self.stage == Stage.GEN_POLICY and self._done_in_stage >= self.policy_trials:
+        if self.stage == Stage.GEN_POLICY and self._done_in_stage >= self.policy_trials and not verdict.more_trials:
             return self._go(Stage.STABLE, TransitionCause.TRIALS_DONE, f"{self._done_in_stage} policy trial(s) done", before)
         return None
 

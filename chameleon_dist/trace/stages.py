@@ -54,6 +54,7 @@ class Verdict:
     reason: str = ""
     absorbed_passive_swaps: int = 0
     tightened_in_place: bool = False
+    more_trials: bool = False  # GenPolicy: a close pair of trials is tried again before Stable (``policy.ranking``)
 
 
 class RetryCause(enum.StrEnum):
