@@ -163,8 +163,12 @@ class Chameleon:
             self.device.emulated,
             timer=functools.partial(self.device.timer, keep_waits=True),  # (layer times without copy waits)
         )
+        # with a fixed host cost per op the emulated device's times repeat exactly: trying a close pair again
+        # would measure the same (``policy.ranking``)
+        exact_times = self.device.emulated and getattr(getattr(self.device, "model", None), "host_op_s", None) is not None
         self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes,
-                                           ranking=TrialRanking(profiler.trial_margin, profiler.trial_repeats))
+                                           ranking=TrialRanking(profiler.trial_margin,
+                                                                0 if exact_times else profiler.trial_repeats))
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._iteration = 0
         self._running: _Running | None = None
