@@ -45,7 +45,10 @@ class GradientSnapshot:
     not there yet, the gradient is copied. ``zero_grad(set_to_none=True)`` makes the snapshot free. Copies
     that the pool cannot hold, of gradients that are views into a larger buffer, and of sparse gradients are
     made with a blocking copy. Gradients that a closure writes in place before its first backward (other
-    than zeroing them) are not seen. ``host_bytes`` says how much was copied; ``close`` ends it."""
+    than zeroing them) are not seen. ``host_bytes`` says how much was copied; ``close`` ends it. Whether a gradient
+is copied depends on whether the answer has landed, i.e. on timing: every op the snapshot issues (host buffers,
+copies, a retry's restore) runs in ``hide_own_ops`` (the profiler's ``quiet``), never as the program's (NOTE
+[Chameleon's own ops are never the program's] in profiler/scope.py)."""
 
     def __init__(self, parameters: Iterable[torch.Tensor], device: Device | None = None,
                  hide_own_ops: Callable[[], ContextManager[None]] = contextlib.nullcontext) -> None:

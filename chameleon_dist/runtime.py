@@ -298,7 +298,8 @@ class Chameleon:
             failed_attempt_passive_swaps=observation.failed_attempt_passive_swaps,
         )
         verdict = self.controller.record(outcome)
-        profile = self.profiler.conclude(observation, counters.saved_bytes, verdict)
+        profile = self.profiler.conclude(observation, counters.saved_bytes, verdict,
+                                         saved_layers=counters.saved_bytes_by_layer.keys())
         self.controller.follow(profile.transition, outcome)
         self.last_report = IterationReport.completed(
             self._iteration, iteration_s, profile, tightened_in_place=verdict.tightened_in_place,

@@ -47,9 +47,9 @@ def _record_signatures(chameleon: Chameleon) -> list[list[int]]:
     seen: list[list[int]] = []
     conclude = chameleon.profiler.conclude
 
-    def recording(observation, saved_bytes, verdict):
+    def recording(observation, saved_bytes, verdict, **kwargs):
         seen.append(list(observation.ids))
-        return conclude(observation, saved_bytes, verdict)
+        return conclude(observation, saved_bytes, verdict, **kwargs)
 
     chameleon.profiler.conclude = recording
     return seen

@@ -148,11 +148,13 @@ class OnlineProfiler:
         logger.debug("iteration observation restarted for retry %d", observation.failed_attempts)
 
     def conclude(
-        self, observation: Observation, saved_bytes: list[int], verdict: Verdict = Verdict()
+        self, observation: Observation, saved_bytes: list[int], verdict: Verdict = Verdict(),
+        saved_layers: Iterable[int] = (),
     ) -> IterationProfile:
-        """``saved_bytes`` are those of the attempt that completed; ``verdict`` the policy controller's on
-        the iteration (``PolicyController.record``), which the stage machine takes."""
-        signature = Signature.of(observation.ids, saved_bytes)
+        """``saved_bytes`` are those of the attempt that completed, ``saved_layers`` the layers that saved in it
+        (the executor's ``saved_bytes_by_layer``: a layer the reference never ran is a new code path); ``verdict``
+        the policy controller's on the iteration (``PolicyController.record``), which the stage machine takes."""
+        signature = Signature.of(observation.ids, saved_bytes, saved_layers)
         comparison = compare(signature, self.reference, self.length_change, self.cosine_threshold)
         if comparison.changed:
             logger.info("operator sequence: %s (%d ops vs %d)", comparison.reason, comparison.num_ops, comparison.reference_num_ops)

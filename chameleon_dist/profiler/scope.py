@@ -7,6 +7,31 @@ runs inside the forward of an attached model that was entered with grad on. A va
 ``torch.no_grad()`` enters the model with grad off and stays outside. ``quiet()`` hides the executor's
 own bookkeeping ops (copies, restores) from the profiler, so the sequence describes the model only.
 
+NOTE [Chameleon's own ops are never the program's]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+What Chameleon does inside an iteration depends on timing (how far the host ran ahead of the device), memory
+pressure and the policy, so an op it issues that the profiler counted would make the same program look like
+another one (a static MLP left Stable every few iterations: the gradient snapshot's copies moved the op count by
+a third). Every op Chameleon issues inside an observed iteration runs where the profiler's modes do not record
+it, on every backend (the same code runs over CUDA and the simulated backend):
+
+- the pack hook (host buffers, swap-out copies, releases of earlier sources) and the unpack hook (swap-ins,
+  waits, restores, recompute replays, prefetches fired there, overdue swap-outs): ``hide_own_ops``, which the
+  runtime sets to ``quiet`` (executor/swap.py);
+- the op clock's placed swap-outs, releases and prefetch swap-ins (``SwapExecutor.on_op``): called from
+  ``SignatureMode``'s own dispatch, where no mode above the device's records, and inside ``hide_own_ops``;
+- relief (stream-ordered release, evicting prefetches, passive swap): inside the device dispatch layer's own
+  ``__torch_dispatch__`` (device/dispatch.py), below the profiler's modes, which are off there; a swap-in's
+  relief runs in the unpack hook (hidden);
+- the gradient snapshot (retry.py): its zero check runs before the iteration opens; the copies made before
+  backward first accumulates into a gradient, a retry's restore and ``close`` run in ``quiet``;
+- the release of every held source when the executor's block ends: stream waits and reference drops, no op.
+
+``quiet`` is per thread: a hook's ops run on the thread that runs the hook (a joined worker's pack, autograd's
+device thread's unpack), while another thread's model ops meanwhile are the program's.
+``tests/test_own_ops_hidden.py`` checks that every iteration's signature, with swaps, recompute replays, relief
+and retries, is the one a run that keeps everything on the device records, over both ``zero_grad`` settings.
+
 ``LayerClock``: which transformer layer (a module at ``layers.<i>``, ``blocks.<i>``, ``h.<i>`` or
 ``layer.<i>``) of the attached models is running, in every iteration (two hooks per layer call).
 

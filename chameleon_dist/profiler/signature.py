@@ -10,10 +10,13 @@ autograd saves.
 matter it measures three things: the relative change of their number (``length_change``), the cosine
 similarity of their *op-pair profiles* (how often each op follows each other op; an insertion or deletion
 anywhere changes only the pairs at its two ends, so a skipped expert or an extra op barely moves it while
-a different program does), and the relative change of the bytes saved for backward. Then:
+a different program does), and the relative change of the bytes saved for backward; when the ops or the bytes
+moved by at least ``length_change``, also what is new (NOTE [A new code path]). Then:
 
 - **changed** (a new program, re-planning follows): the profile cosine is below
-  ``cosine_threshold``, or the number of ops *and* the saved bytes both changed by at least
+  ``cosine_threshold``; or the ops or the saved bytes changed by at least ``length_change`` along a new code
+  path (a layer that never saved in the reference saved, or at least ``NOVEL_PAIR_SHARE`` of the ops stand at
+  op pairs the reference never had); or the number of ops *and* the saved bytes both changed by at least
   ``length_change``, the ops by at least ``ROUTING_SHARE`` of the bytes' change (more or less work on more
   or less data: an added branch, another micro-batch);
 - **rescaled**: the saved bytes changed by at least ``length_change`` with the same ops (a sequence length
@@ -26,13 +29,35 @@ a different program does), and the relative change of the bytes saved for backwa
 - **identical**.
 
 ``Comparison.major`` is the older name of ``changed``.
+
+NOTE [A new code path]
+~~~~~~~~~~~~~~~~~~~~~~
+Counts alone cannot tell routing variance from a new program: an MoE batch of another length routed otherwise
+moves a few percent of the ops and a third of the saved bytes, and a branch that switches on an extra, wider
+block moves a tenth of the ops and a fifth of the bytes; both fall under ``ROUTING_SHARE``. What tells them apart
+is whether anything is *new*. Routing variance is the same code: the expert loop runs more or fewer times, on
+other sizes, so it only changes the counts of op pairs the reference already has (a skipped expert's seam pairs
+one expert's end with the next one's start, a pair the loop already had), at layers that already saved. A new
+code path brings ops at sites or in an order the program never had:
+
+- a layer (``LayerClock``: ``layers.<i>`` and its kin) that saved tensors for backward and never did in the
+  reference (``Signature.saved_layers``, the executor's ``saved_bytes_by_layer``): more layers of the same kind;
+- op pairs the reference never had, for at least ``NOVEL_PAIR_SHARE`` (1%) of the iteration's autograd ops
+  (``novel_pair_share``): blocks of another kind, wherever they run.
+
+Either makes a difference of at least ``length_change`` in ops or saved bytes ``changed``. A smaller difference
+stays ``absorbed`` whatever is new (one extra op changes two pairs: its save stays on the device, every other
+save keeps its entry). Not seen: a block of a kind the program already runs, run again inside a layer that
+already saves (a loop over the same module one more time): the routing rule decides it, as before. ``changed``
+can cost a profiling round on a program that only looks new; ``rescaled`` on a new program costs the budget
+(the policy never covered the new saves) until it stops holding, and only then a profiling round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -123,14 +148,17 @@ class SignatureMode(TorchDispatchMode):
 
 @dataclasses.dataclass(frozen=True)
 class Signature:
-    """One iteration's sequence: all op ids (``~id`` for ops outside autograd) and saved-tensor bytes."""
+    """One iteration's sequence: all op ids (``~id`` for ops outside autograd), saved-tensor bytes, and the
+    transformer layers that saved (``LayerClock``: -1 outside any; empty when nobody counted them)."""
 
     ids: torch.Tensor  # int64
     saved_bytes: tuple[int, ...]
+    saved_layers: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, ids: list[int], saved_bytes: list[int] | tuple[int, ...] = ()) -> "Signature":
-        return cls(torch.tensor(ids, dtype=torch.int64), tuple(saved_bytes))
+    def of(cls, ids: list[int], saved_bytes: list[int] | tuple[int, ...] = (),
+           saved_layers: Iterable[int] = ()) -> "Signature":
+        return cls(torch.tensor(ids, dtype=torch.int64), tuple(saved_bytes), frozenset(saved_layers))
 
     @property
     def num_ops(self) -> int:
@@ -162,6 +190,8 @@ class Comparison:
     changed: bool  # a new program: a new policy is needed
     reason: str
     kind: ChangeKind = ChangeKind.IDENTICAL
+    novel_pair_share: float = 0.0  # share of the autograd ops at op pairs the reference never had (NOTE [A new code path])
+    novel_layers: tuple[int, ...] = ()  # layers that saved tensors and never did in the reference
 
     @property
     def major(self) -> bool:
@@ -205,6 +235,22 @@ def pair_profile_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(x @ y) / float(x.norm() * y.norm())
 
 
+def novel_pair_share(a: torch.Tensor, reference: torch.Tensor) -> float:
+    """The share of the ops of ``a`` whose pair with the op before it (``_pairs``) never occurs in ``reference``
+    (NOTE [A new code path])."""
+    if a.numel() == 0:
+        return 0.0
+    if reference.numel() == 0:
+        return 1.0
+    base = int(max(a.max(), reference.max())) + 2
+    novel = ~torch.isin(_pairs(a, base), _pairs(reference, base))
+    return float(novel.sum()) / a.numel()
+
+
+NOVEL_PAIR_SHARE = 0.01
+"""A difference at least ``length_change`` in ops or saved bytes is a new code path (``changed``) when at least
+this share of the iteration's autograd ops stand at op pairs the reference never had (NOTE [A new code path])."""
+
 ROUTING_SHARE = 0.5
 """When the number of ops and the saved bytes both changed by at least ``length_change`` but the ops by less
 than this share of the bytes' change, the iteration is ``rescaled``, not ``changed``: more work on more data
@@ -229,9 +275,23 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
     differs = not (torch.equal(current.ids, reference.ids) and current.saved_bytes == reference.saved_bytes)
     more_ops, more_bytes = length >= length_change, saved >= length_change
     measured = f"ops {length:.1%}, op-pair cosine {cosine:.3f}, saved bytes {saved:.1%}"
+    novel_share, novel_layers = 0.0, ()
+    if (more_ops or more_bytes) and cosine >= cosine_threshold:  # (only a difference that large can be a new path)
+        novel_share = 0.0 if same_ops else novel_pair_share(relevant, reference_relevant)
+        if current.saved_layers and reference.saved_layers:
+            novel_layers = tuple(sorted(current.saved_layers - reference.saved_layers))
     if cosine < cosine_threshold:
         kind = ChangeKind.CHANGED
         reason = f"op-pair cosine {cosine:.3f} < profiler.cosine_threshold {cosine_threshold} ({measured})"
+    elif novel_layers:
+        kind = ChangeKind.CHANGED
+        reason = (f"a new code path: layers {list(novel_layers)} saved tensors for backward and never did in the "
+                  f"reference, with a difference of at least profiler.length_change {length_change:.0%} ({measured})")
+    elif novel_share >= NOVEL_PAIR_SHARE:
+        kind = ChangeKind.CHANGED
+        reason = (f"a new code path: {novel_share:.1%} of the ops follow each other in ways the reference never had "
+                  f"(at least NOVEL_PAIR_SHARE {NOVEL_PAIR_SHARE:.0%}), with a difference of at least "
+                  f"profiler.length_change {length_change:.0%} ({measured})")
     elif more_ops and more_bytes and length < ROUTING_SHARE * saved:
         kind = ChangeKind.RESCALED
         reason = (f"other sizes, rerouted: bytes saved for backward changed by {saved:.1%}, the number of ops by "
@@ -249,4 +309,5 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
     else:
         kind, reason = ChangeKind.IDENTICAL, "identical"
     changed = kind == ChangeKind.CHANGED
-    return Comparison(current.num_ops, reference.num_ops, length, cosine, saved, differs, changed, reason, kind)
+    return Comparison(current.num_ops, reference.num_ops, length, cosine, saved, differs, changed, reason, kind,
+                      novel_share, novel_layers)
