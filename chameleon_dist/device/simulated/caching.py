@@ -112,8 +112,8 @@ class CachingAllocatorModel:
         total = 0
         for segment in self.segments:
             if segment.expandable:
-                total += sum(len([p for p in segment.pages_of(b, True) if p in segment.mapped_pages]) for b in
-                             _blocks(segment) if not b.allocated) * segment.page_bytes
+                total += sum(len(_mapped_inside(segment, b)) for b in _blocks(segment) if not b.allocated) \
+                    * segment.page_bytes
             elif not segment.head.allocated and segment.head.next is None:
                 total += segment.size
         return total
@@ -167,7 +167,7 @@ class CachingAllocatorModel:
             if segment.expandable:
                 for block in _blocks(segment):
                     if not block.allocated:
-                        unmapped = [p for p in segment.pages_of(block, True) if p in segment.mapped_pages]
+                        unmapped = _mapped_inside(segment, block)
                         segment.mapped_pages.difference_update(unmapped)
                         self.released_segments += len(unmapped)
                         self.reserved_bytes -= len(unmapped) * segment.page_bytes
@@ -254,6 +254,12 @@ def _blocks(segment: Segment):
     while block is not None:
         yield block
         block = block.next
+
+
+def _mapped_inside(segment: Segment, block: CacheBlock) -> list[int]:
+    """The mapped pages lying wholly inside free ``block`` (the virtual tail spans far more pages than are mapped)."""
+    inside = segment.pages_of(block, True)
+    return [page for page in segment.mapped_pages if page in inside]
 
 
 def _merge(block: CacheBlock, neighbour: CacheBlock) -> CacheBlock:
