@@ -181,3 +181,44 @@ def test_cuda_short_bytes_are_read_from_the_error_not_the_arguments():
     assert geometry.tried_to_allocate_bytes("Tried to allocate 20.00 MiB.") == 20 * MiB
     assert CudaBackend.short_bytes(None, torch.OutOfMemoryError("no size"), None, (torch.empty(3 * MiB // 4),),
                                    {}) == 3 * MiB
+
+
+# ---- the prefetch limit asks the allocator too ------------------------------------------------------------
+def test_a_planned_prefetch_the_fragmented_pools_cannot_serve_waits_though_it_is_under_the_limit():
+    from types import SimpleNamespace
+
+    device = EmulatedDevice(4 * MiB, caching_allocator=True)
+    executor = SwapExecutor(device, min_swap_bytes=0, prefetch_limit_bytes=4 * MiB)
+    with device.active():
+        held = [torch.empty(128 * KiB, dtype=torch.float32) for _ in range(8)]  # 512 KiB each: both segments
+        del held[1], held[3]  # (indices shift: the 2nd and 5th go) 1 MiB free, in two runs
+        entry = SimpleNamespace(nbytes=MiB, reader=device.backend.current_stream())
+        assert device.live_bytes() + entry.nbytes <= executor.prefetch_limit_bytes  # the old check lets it go
+        assert executor._prefetch_would_not_fit(entry)
+        del held[0]  # the 1st joins the 2nd's run: 1 MiB in one block
+        assert not executor._prefetch_would_not_fit(entry)
+
+
+# ---- the hazard checker's free semantics hold on the caching model -----------------------------------------
+def test_a_block_freed_while_a_copy_reads_it_is_still_a_hazard_on_the_caching_model():
+    import gc
+
+    from chameleon_dist.device import StreamHazardError
+    from chameleon_dist.device.base import byte_view
+
+    device = EmulatedDevice(64 * MiB, caching_allocator=True, peak_flop_per_s=1e12, memory_bytes_per_s=1e11,
+                            launch_latency_s=1e-6, host_op_s=1e-6, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e6)
+    backend = device.backend
+    with device.active():
+        x = torch.ones(MiB // 4)
+        with backend.host_side():
+            host = torch.empty(MiB, dtype=torch.uint8)
+        copy_stream = backend.new_stream("copy")
+        copy_stream.wait_stream(backend.current_stream())
+        with backend.use_stream(copy_stream):
+            backend.copy(host, byte_view(x.untyped_storage()))  # ~1 s over the link
+        del x  # back to the compute stream's pool while the copy still reads it
+        gc.collect()
+        assert device.backend.reserved_bytes() == 2 * MiB and device.live_bytes() == 0  # cached, not given back
+        with pytest.raises(StreamHazardError, match="still reads"):
+            torch.ones(4)
