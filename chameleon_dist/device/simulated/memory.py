@@ -69,7 +69,7 @@ class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
                         "reserved but unallocated)")
         if self.fragmented and not expandable_segments:
             advice = ("The free bytes are fragmented across segments and streams (relief freed blocks that live "
-                      "ones pin): turn on expandable_segments (device.expandable_segments on the emulated device, "
+                      "ones pin): turn on expandable_segments (EmulatedDevice(expandable_segments=True) here, "
                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on a GPU), or raise device.capacity.")
         elif swapping:
             advice = ("Chameleon swapping is on and could not free enough: lower min_swap_bytes or the "
@@ -105,7 +105,7 @@ class SimAllocator:
         if capacity_bytes <= 0:
             raise ValueError(f"device.capacity must be > 0 bytes, got {capacity_bytes}")
         if expandable_segments and not caching:
-            raise ValueError("device.expandable_segments needs the caching allocator model (device.caching_allocator)")
+            raise ValueError("expandable_segments needs the caching allocator model (EmulatedDevice(caching_allocator=True))")
         self.capacity_bytes = capacity_bytes
         self.cache = CachingAllocatorModel(capacity_bytes, expandable_segments) if caching else None
         self.hazards = hazards
