@@ -283,6 +283,10 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
     if cosine < cosine_threshold:
         kind = ChangeKind.CHANGED
         reason = f"op-pair cosine {cosine:.3f} < profiler.cosine_threshold {cosine_threshold} ({measured})"
+    elif more_ops and more_bytes and length >= ROUTING_SHARE * saved:
+        kind = ChangeKind.CHANGED
+        reason = (f"the number of ops ({length:.1%}) and the bytes saved for backward ({saved:.1%}) both changed "
+                  f"by at least profiler.length_change {length_change:.0%}")
     elif novel_layers:
         kind = ChangeKind.CHANGED
         reason = (f"a new code path: layers {list(novel_layers)} saved tensors for backward and never did in the "
@@ -292,14 +296,10 @@ def compare(current: Signature, reference: Signature | None, length_change: floa
         reason = (f"a new code path: {novel_share:.1%} of the ops follow each other in ways the reference never had "
                   f"(at least NOVEL_PAIR_SHARE {NOVEL_PAIR_SHARE:.0%}), with a difference of at least "
                   f"profiler.length_change {length_change:.0%} ({measured})")
-    elif more_ops and more_bytes and length < ROUTING_SHARE * saved:
+    elif more_ops and more_bytes:
         kind = ChangeKind.RESCALED
         reason = (f"other sizes, rerouted: bytes saved for backward changed by {saved:.1%}, the number of ops by "
                   f"only {length:.1%} (routing and shape, not more work)")
-    elif more_ops and more_bytes:
-        kind = ChangeKind.CHANGED
-        reason = (f"the number of ops ({length:.1%}) and the bytes saved for backward ({saved:.1%}) both changed "
-                  f"by at least profiler.length_change {length_change:.0%}")
     elif more_bytes:
         kind, reason = ChangeKind.RESCALED, f"same ops on other sizes: bytes saved for backward changed by {saved:.1%}"
     elif more_ops:
