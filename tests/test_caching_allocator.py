@@ -222,3 +222,26 @@ def test_a_block_freed_while_a_copy_reads_it_is_still_a_hazard_on_the_caching_mo
         assert device.backend.reserved_bytes() == 2 * MiB and device.live_bytes() == 0  # cached, not given back
         with pytest.raises(StreamHazardError, match="still reads"):
             torch.ones(4)
+
+
+def test_fits_agrees_with_malloc_on_random_sequences():
+    import random
+
+    sizes = [700, 64 * KiB, 512 * KiB, MiB, 3 * MiB, 9 * MiB, 12 * MiB]
+    for expandable in (False, True):
+        rng = random.Random(0)
+        cache = CachingAllocatorModel(64 * MiB, expandable_segments=expandable)
+        live, outcomes = [], set()
+        for _ in range(400):
+            if live and rng.random() < 0.45:
+                cache.free(live.pop(rng.randrange(len(live))))
+                continue
+            nbytes, stream = rng.choice(sizes), rng.choice((A, B))
+            predicted = cache.fits(nbytes, stream)
+            block = cache.malloc(nbytes, stream)
+            assert predicted == (block is not None), (expandable, nbytes)
+            outcomes.add(predicted)
+            assert cache.reserved_bytes <= 64 * MiB and cache.allocated_bytes <= cache.reserved_bytes
+            if block is not None:
+                live.append(block)
+        assert outcomes == {True, False}  # (both answers were put to the test)

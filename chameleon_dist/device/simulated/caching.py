@@ -100,9 +100,17 @@ class CachingAllocatorModel:
         block = self._best_fit(size, stream, small)
         room_bytes = self.capacity_bytes - self.reserved_bytes
         if self.expandable_segments:
-            if block is None:
-                return False  # (never: the virtual tail is free)
-            return self._pages_to_map(block, size) * block.segment.page_bytes <= room_bytes + self.releasable_bytes()
+            if block is None:  # (the pool has no segment yet: malloc makes one, from offset 0)
+                page = geometry.page_bytes(size)
+                return -(-size // page) * page <= room_bytes + self.releasable_bytes()
+            need_bytes = self._pages_to_map(block, size) * block.segment.page_bytes
+            if need_bytes <= room_bytes:
+                return True
+            # a release unmaps the block's own whole free pages too: they are mapped again for it
+            touched = block.segment.pages_of(CacheBlock(block.segment, block.offset, size), False)
+            own_bytes = sum(1 for page in _mapped_inside(block.segment, block) if page in touched) \
+                * block.segment.page_bytes
+            return need_bytes + own_bytes <= room_bytes + self.releasable_bytes()
         if block is not None:
             return True
         return geometry.segment_bytes(size) <= room_bytes + self.releasable_bytes()
