@@ -163,12 +163,12 @@ class Chameleon:
             self.device.emulated,
             timer=functools.partial(self.device.timer, keep_waits=True),  # (layer times without copy waits)
         )
-        # with a fixed host cost per op the emulated device's times repeat exactly: trying a close pair again
-        # would measure the same (``policy.ranking``)
+        # with a fixed host cost per op the emulated device's times repeat exactly: no noise to allow for, and a
+        # close pair tried again would measure the same (``policy.ranking``): the fastest wins, as measured
         exact_times = self.device.emulated and getattr(getattr(self.device, "model", None), "host_op_s", None) is not None
+        ranking = TrialRanking(0.0, 0) if exact_times else TrialRanking(profiler.trial_margin, profiler.trial_repeats)
         self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes,
-                                           ranking=TrialRanking(profiler.trial_margin,
-                                                                0 if exact_times else profiler.trial_repeats))
+                                           ranking=ranking)
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._iteration = 0
         self._running: _Running | None = None

@@ -192,7 +192,8 @@ class ProfilerConfig(_Section):
     )
     trial_margin: Ratio = Field(
         0.03, ge=0, lt=1, description="Trials whose measured iteration times are within this fraction of the "
-        "fastest count as equally fast: the one that swaps less is kept, and a close pair is tried again.",
+        "fastest count as equally fast: the one that swaps less is kept, and a close pair is tried again (0 with "
+        "a fixed device.host_op_s: the emulated device's times then repeat exactly).",
         json_schema_extra=_hint("use a fraction in [0, 1) such as 0.03"),
     )
     trial_repeats: Count = Field(

@@ -19,6 +19,9 @@ fraction of the fastest time):
   measures how much its peak moves, the headroom it is judged with), up to ``TrialRanking.max_repeats``
   extra GenPolicy iterations (``profiler.trial_repeats``).
 
+With a fixed host cost per op (``device.host_op_s``) the emulated device's times repeat exactly: the runtime
+ranks with no margin and no repeats there (the fastest wins, as measured; ``runtime.py``).
+
 Headroom (``peak_variation_bytes``, ``policy.trials``) is applied before the margin: the pool ranked is the
 policies whose peak plus headroom stays under what a policy must stay under, or every held one when none does.
 """
