@@ -285,13 +285,18 @@ class CudaBackend:
     def run_op(self, func, args: tuple, kwargs: dict):
         return func(*args, **kwargs)
 
-    def short_bytes(self, error: torch.OutOfMemoryError, func, args: tuple, kwargs: dict) -> int:
+    def short_bytes(self, error: torch.OutOfMemoryError, func, args: tuple, kwargs: dict,
+                    request_bytes: int | None = None) -> int:
         """What relief should free: the segment the failed request needs, read from the error's "Tried to
         allocate N" (an op's arguments say little of it: factory ops, attention scores, logits, embedding
         backward), plus a fragmentation margin (``caching_geometry.cuda_short_bytes``). Without that text, the
-        op's tensor arguments' bytes, at least 1 MiB."""
-        leaves = (t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        fallback_bytes = max(sum(t.numel() * t.element_size() for t in leaves), 2**20)
+        request's bytes when the caller knows them (a swap-in's block), else the op's tensor arguments' bytes,
+        at least 1 MiB."""
+        if request_bytes is not None:
+            fallback_bytes = request_bytes
+        else:
+            leaves = (t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            fallback_bytes = max(sum(t.numel() * t.element_size() for t in leaves), 2**20)
         return caching_geometry.cuda_short_bytes(str(error), fallback_bytes)
 
     def request_fit(self, error: torch.OutOfMemoryError):

@@ -406,8 +406,8 @@ class StreamDevice:
         except torch.OutOfMemoryError as error:
             if dispatch.handler is None or dispatch.relieving:
                 raise
-            short_bytes = self.backend.short_bytes(error, None, (), {}) if not hasattr(error, "short_bytes") \
-                else error.short_bytes
+            short_bytes = self.backend.short_bytes(error, None, (), {}, request_bytes=nbytes) \
+                if not hasattr(error, "short_bytes") else error.short_bytes
             fits = self.backend.request_fit(error)
         # outside the except block, so the traceback's frames do not pin tensors during the retry
         dispatch.relieve(short_bytes, f"a {format_bytes(nbytes)} swap-in", fits)

@@ -348,7 +348,8 @@ class SimulatedBackend:
             if block is not None:
                 self.hazards.access(block, stream, start_s, end_s, True, what)
 
-    def short_bytes(self, error: torch.OutOfMemoryError, func, args: tuple, kwargs: dict) -> int:
+    def short_bytes(self, error: torch.OutOfMemoryError, func, args: tuple, kwargs: dict,
+                    request_bytes: int | None = None) -> int:
         """How many bytes the failed allocation was short of (exact here: the allocator says)."""
         return getattr(error, "short_bytes", 1)
 
