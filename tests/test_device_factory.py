@@ -18,6 +18,19 @@ def test_emulated_device_from_config():
     assert device.host_pool.budget_bytes == 2**30
 
 
+def test_the_caching_allocator_model_is_a_device_setting():
+    config = ChameleonConfig(device={"kind": "emulated", "capacity": "64MiB", "caching_allocator": True,
+                                     "expandable_segments": True})
+    device = make_device(config)
+    cache = device.backend.allocator.cache
+    assert cache is not None and cache.expandable_segments
+    assert make_device(ChameleonConfig(device={"kind": "emulated", "capacity": "64MiB"})).backend.allocator.cache is None
+    with pytest.raises(Exception, match="device.caching_allocator: true"):
+        ChameleonConfig(device={"kind": "emulated", "expandable_segments": True})
+    with pytest.raises(Exception, match="caching_allocator"):
+        ChameleonConfig(device={"kind": "cuda", "caching_allocator": True})
+
+
 def test_auto_without_a_gpu_is_an_unbounded_emulated_device():
     if accelerator_is_cuda():
         pytest.skip("a CUDA device is present")

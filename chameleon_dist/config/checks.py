@@ -21,6 +21,27 @@ SMALL_BUDGET_MAX = 100
 PASSED_DEVICE = "the device passed to Chameleon(device=...)"
 
 
+def device_setting_problem(device: Any, emulated_only: tuple[str, ...]) -> tuple[str, str] | None:
+    """(field, message) for a ``device`` section whose settings contradict each other, else None: what only the
+    emulated device models (meta tensors, the caching allocator, compute figures) asked of a GPU, and
+    ``expandable_segments`` without the caching allocator it is an option of."""
+    if device.kind == "cuda" and device.meta_tensors:
+        return "meta_tensors", ("meta tensors hold no data and run only on the emulated device: remove "
+                                "device.meta_tensors or use kind: emulated")
+    if device.expandable_segments and not device.caching_allocator:
+        return "expandable_segments", ("device.expandable_segments models the caching allocator's option: set "
+                                       "device.caching_allocator: true too (on a GPU: "
+                                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    if device.kind == "cuda" and device.caching_allocator:
+        return "caching_allocator", ("device.caching_allocator models a GPU's allocator on the emulated device: "
+                                     "remove it or use kind: emulated")
+    given = [name for name in emulated_only if getattr(device, name) is not None]
+    if device.kind == "cuda" and given:
+        names = " and ".join(f"device.{name}" for name in given) + ("," if len(given) > 1 else "")
+        return given[0], f"only the emulated device models compute; remove {names} or use kind: emulated"
+    return None
+
+
 def _bytes(nbytes: int) -> str:
     return f"{format_size(nbytes)} ({nbytes} bytes)"
 

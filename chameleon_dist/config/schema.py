@@ -28,7 +28,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from chameleon_dist.config import numbers, sizes
-from chameleon_dist.config.checks import SMALL_BUDGET_MAX, budget_over_total_problem, small_budget_problem
+from chameleon_dist.config.checks import (
+    SMALL_BUDGET_MAX, budget_over_total_problem, device_setting_problem, small_budget_problem,
+)
 from chameleon_dist.config.errors import CUSTOM_ERROR, ConfigError
 from chameleon_dist.config.host_limits import HostLimits, physical_memory_bytes, read_host_limits
 from chameleon_dist.config.node import HostShare, local_world_size
@@ -269,22 +271,17 @@ class DeviceConfig(_Section):
         "(sizes, no data), for LLM shapes in simulation; memory and time are simulated from sizes.",
         json_schema_extra=_hint("use true or false"),
     )
+    caching_allocator: bool = Field(False, strict=True, json_schema_extra=_hint("use true or false"), description=(
+        "Emulated device: model the CUDA caching allocator (per-stream pools, segments); capacity bounds reserved."))
+    expandable_segments: bool = Field(False, strict=True, json_schema_extra=_hint("use true or false"), description=(
+        "Emulated device with caching_allocator: PyTorch's expandable_segments:True."))
 
     @model_validator(mode="after")
     def _compute_model_needs_emulated(self) -> "DeviceConfig":
-        if self.kind == "cuda" and self.meta_tensors:
-            raise PydanticCustomError(CUSTOM_ERROR, "{message}", {
-                "message": "meta tensors hold no data and run only on the emulated device: remove "
-                           "device.meta_tensors or use kind: emulated",
-                "field": "meta_tensors",
-            })
-        given = [name for name in EMULATED_ONLY_SETTINGS if getattr(self, name) is not None]
-        if self.kind == "cuda" and given:
-            names = " and ".join(f"device.{name}" for name in given) + ("," if len(given) > 1 else "")
-            raise PydanticCustomError(CUSTOM_ERROR, "{message}", {
-                "message": f"only the emulated device models compute; remove {names} or use kind: emulated",
-                "field": given[0],
-            })
+        problem = device_setting_problem(self, EMULATED_ONLY_SETTINGS)
+        if problem is not None:
+            field, message = problem
+            raise PydanticCustomError(CUSTOM_ERROR, "{message}", {"message": message, "field": field})
         return self
 
 

@@ -51,4 +51,6 @@ def make_device(config: "ChameleonConfig") -> Device:
         logger.info("emulated device without device.capacity: memory is metered but never runs out")
         capacity_bytes = UNBOUNDED_CAPACITY_BYTES
     return EmulatedDevice(capacity_bytes=capacity_bytes, host_memory_budget_bytes=host_budget_bytes,
-                          model=DeviceModel.from_config(settings), meta_tensors=settings.meta_tensors)
+                          model=DeviceModel.from_config(settings), meta_tensors=settings.meta_tensors,
+                          caching_allocator=settings.caching_allocator,
+                          expandable_segments=settings.expandable_segments)

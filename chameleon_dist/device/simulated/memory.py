@@ -69,7 +69,7 @@ class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
                         "reserved but unallocated)")
         if self.fragmented and not expandable_segments:
             advice = ("The free bytes are fragmented across segments and streams (relief freed blocks that live "
-                      "ones pin): turn on expandable_segments (EmulatedDevice(expandable_segments=True) here, "
+                      "ones pin): turn on expandable_segments (device.expandable_segments: true here, "
                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on a GPU), or raise device.capacity.")
         elif swapping:
             advice = ("Chameleon swapping is on and could not free enough: lower min_swap_bytes or the "
