@@ -78,10 +78,10 @@ def test_the_simulated_capture_refuses_event_queries_and_host_waits():
 
 
 def test_swaps_placed_inside_a_captured_region_wait_for_its_end_and_training_stays_bit_identical():
-    """Policy trials place swap-outs at ops after their saves; in steps 3 and 5 (trials) the second half of the
+    """Policy trials place swap-outs at ops after their saves; in step 3 (a trial) the second half of the
     forward pass is captured. The op clock reaches placed ops inside the capture: issuing a copy there (which
     queries events and orders streams) would invalidate the capture. They start at the first op after it."""
-    steps, captured = 8, {3, 5}
+    steps, captured = 14, {3}
     reference = _train(Chameleon({"enabled": False}, device=_device()), _device(), steps, captured)
     probe_device = _device()
     probe = Chameleon({"enabled": False}, device=probe_device)
@@ -90,7 +90,7 @@ def test_swaps_placed_inside_a_captured_region_wait_for_its_end_and_training_sta
     chameleon = Chameleon({"memory_budget": int(probe_reports[-1].peak_device_bytes * 0.6), "min_swap_bytes": 4096},
                           device=device)
     losses, grads, reports = _train(chameleon, device, steps, captured)
-    assert [reports[i].stage for i in sorted(captured)] == ["gen_policy"] * 2, [r.stage for r in reports]
+    assert [reports[i].stage for i in sorted(captured)] == ["gen_policy"], [r.stage for r in reports]
     assert all(reports[i].delayed_swap_outs > 0 for i in captured), [r.delayed_swap_outs for r in reports]
     assert reports[-1].stage == "stable", [r.stage for r in reports]
     assert all(torch.equal(a, b) for a, b in zip(losses, reference[0]))
