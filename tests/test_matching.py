@@ -121,7 +121,7 @@ def test_sites_name_micro_batch_and_layer_and_an_unchanged_iteration_matches_exa
     def train(config, capacity_bytes, iterations):
         torch.manual_seed(0)
         model = GPT(64, 32, 4, 2)
-        chameleon = Chameleon(config, device=EmulatedDevice(capacity_bytes))
+        chameleon = Chameleon(config, device=EmulatedDevice(capacity_bytes, host_op_s=1e-6))  # (trials rank alike)
         chameleon.attach(model)
 
         def two_micro_batches():
@@ -169,7 +169,7 @@ def test_saves_too_small_to_swap_keep_the_walk_aligned():
         model = torch.nn.Sequential()
         model.layers = torch.nn.ModuleList(_ScaledLayer(hidden) for _ in range(6))
         model.forward = lambda x: functools.reduce(lambda h, layer: layer(h), model.layers, x)
-        chameleon = Chameleon(config, device=EmulatedDevice(capacity_bytes))
+        chameleon = Chameleon(config, device=EmulatedDevice(capacity_bytes, host_op_s=1e-6))  # (trials rank alike)
         chameleon.attach(model)
         losses, reports = [], []
         for batch in batches:

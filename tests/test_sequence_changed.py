@@ -57,7 +57,7 @@ def test_a_wobbling_sequence_differs_but_is_not_changed_and_a_real_change_is(cap
     caplog.set_level(logging.INFO, logger="chameleon_dist.profiler")
     torch.manual_seed(0)
     model = RoutedMLP()
-    runtime = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(capacity_bytes=10**9))
+    runtime = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(capacity_bytes=10**9, host_op_s=1e-6))
     runtime.attach(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, HIDDEN)
@@ -109,7 +109,7 @@ def test_a_skipped_optimizer_step_is_not_another_program():
     outside the model's program (absorbed), so nothing is re-planned (before: "changed", back to WarmUp)."""
     torch.manual_seed(0)
     model = RoutedMLP()
-    runtime = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(capacity_bytes=10**9))
+    runtime = Chameleon({"min_swap_bytes": 0}, device=EmulatedDevice(capacity_bytes=10**9, host_op_s=1e-6))
     runtime.attach(model)
     optimizer = SkippingSGD(model.parameters(), skip_at={4, 9, 10})
     x = torch.randn(32, HIDDEN)
