@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.multirank  # (NOTE [The multi-rank tier] in tests/conftest.py)
+pytestmark = [pytest.mark.multirank, pytest.mark.extended]  # (NOTEs [The multi-rank tier], [The extended tier])
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["--deepspeed_config", str(REPO / "configs" / "deepspeed" / "zero2.json"), "--iterations", "3",

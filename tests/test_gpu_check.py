@@ -64,6 +64,7 @@ def _dry_run(tmp_path, parts: list[str]) -> dict:
     return result
 
 
+@pytest.mark.extended  # (about a minute and a half: NOTE [The extended tier] in tests/conftest.py)
 def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated_device(tmp_path):
     """The dry run's parts without ranks (the rest: the multirank test below): the gpu tests plain and under the
     sanitizer (skipped here) and every probe."""
@@ -91,6 +92,7 @@ def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated
 
 
 @pytest.mark.multirank  # (two-rank jobs: NOTE [The multi-rank tier] in tests/conftest.py)
+@pytest.mark.extended  # (about two minutes: NOTE [The extended tier] in tests/conftest.py)
 def test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_identically(tmp_path):
     parts = _dry_run(tmp_path, RANK_PARTS)["parts"]
     for name in ("megatron_2rank", "deepspeed_2rank"):

@@ -96,6 +96,7 @@ def _marked_processes(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.extended  # (a real torchrun job: NOTE [The extended tier] in tests/conftest.py)
 def test_a_rank_killed_during_a_swap_in_ends_a_torchrun_job_naming_it_and_leaving_no_process(tmp_path):
     """Real torchrun: rank 1 dies (SIGKILL) with a copy back to the device in flight. The job must end non-zero,
     its output must name rank 1 as killed, and no process of the job may be left (each rank's host pool goes
