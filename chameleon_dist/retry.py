@@ -91,13 +91,7 @@ copies, a retry's restore) runs in ``hide_own_ops`` (the profiler's ``quiet``), 
         self.host_bytes += grad.numel() * grad.element_size()
 
     def _copy(self, grad: torch.Tensor) -> Any:
-        whole = grad.layout == torch.strided and grad.is_contiguous() and grad.storage_offset() == 0 and \
-            grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
-        handle = self._device.copy_to_host(grad.untyped_storage()) if whole and self._device is not None else None
-        if handle is None:
-            return grad.detach().to("cpu", copy=True)
-        self._device.wait(handle)  # the accumulation, queued next on this stream, comes after the copy
-        return handle
+        return host_copy(self._device, grad)
 
     def restore(self) -> None:
         """Every parameter gets back the gradient it had (the same tensor object, so buffers that alias it
@@ -141,14 +135,29 @@ copies, a retry's restore) runs in ``hide_own_ops`` (the profiler's ``quiet``), 
             self._nonzero.close()
 
 
+def host_copy(device: Device | None, tensor: torch.Tensor) -> Any:
+    """``tensor``'s values kept on the host before a write: a copy to a host buffer of ``device``'s pool on the
+    current stream, which then waits for it on the device (the host does not), for a tensor that is its whole
+    storage; else (a view, no room in the pool, no device) a blocking copy to a CPU tensor."""
+    whole = tensor.layout == torch.strided and tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    handle = device.copy_to_host(tensor.untyped_storage()) if whole and device is not None else None
+    if handle is None:
+        return tensor.detach().to("cpu", copy=True)
+    device.wait(handle)  # the write, queued next on this stream, comes after the copy
+    return handle
+
+
+def kept_values(tensor: torch.Tensor, kept: Any) -> torch.Tensor:
+    """The values ``host_copy`` kept of ``tensor`` (its CPU tensor, or the host buffer seen as ``tensor``); the
+    caller synchronised the device, so the copy has landed."""
+    return kept if isinstance(kept, torch.Tensor) else kept.result.view(tensor.dtype).view(tensor.shape)
+
+
 def _current(grad: torch.Tensor, kept: Any) -> torch.Tensor:
     """What a retry would give back at a position: its host copy (a CPU tensor, or a device handle's bytes seen
     as the gradient), else the gradient as it is now. The caller synchronised the device: every copy landed."""
-    if kept is None:
-        return grad
-    if isinstance(kept, torch.Tensor):
-        return kept
-    return kept.result.view(grad.dtype).view(grad.shape)
+    return grad if kept is None else kept_values(grad, kept)
 
 
 class _NonzeroBits:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from chameleon_dist.device.base import Device
+from chameleon_dist.retry import host_copy, kept_values
 from chameleon_dist.trace.exactness import undeclared_state_written
 from chameleon_dist.trace.writes import WrittenTensors
 
@@ -56,17 +57,7 @@ class BufferSnapshot:
             buffer = buffers.get(key)
             if buffer is not None and key not in self._kept:
                 with self._hide_own_ops():
-                    self._kept[key] = (buffer, self._copy(buffer))
-
-    def _copy(self, buffer: torch.Tensor) -> Any:
-        storage = buffer.untyped_storage()
-        whole = buffer.is_contiguous() and buffer.storage_offset() == 0 and \
-            storage.nbytes() == buffer.numel() * buffer.element_size()
-        handle = self._device.copy_to_host(storage) if whole and self._device is not None else None
-        if handle is None:
-            return buffer.detach().to("cpu", copy=True)
-        self._device.wait(handle)  # the write, queued next on this stream, comes after the copy
-        return handle
+                    self._kept[key] = (buffer, host_copy(self._device, buffer))
 
     def restore(self) -> None:
         """Every kept buffer gets its values back (the same tensor); they are kept again on the retry's first
@@ -77,8 +68,7 @@ class BufferSnapshot:
             self._device.synchronize()  # (a retry: every copy has landed)
         with torch.no_grad(), self._hide_own_ops():
             for buffer, kept in self._kept.values():
-                buffer.copy_(kept if isinstance(kept, torch.Tensor) else
-                             kept.result.view(buffer.dtype).view(buffer.shape))
+                buffer.copy_(kept_values(buffer, kept))
         self._release()
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ ALLOWED = {
     "ranks": {"units"},
     "retry": {"units", "device"},
     # the modules' buffers a retry gives back: which ops write them is the trace's vocabulary
-    "retry_buffers": {"units", "device", "trace"},
+    "retry_buffers": {"units", "device", "trace", "retry"},
     "runtime": {
         "units", "config", "trace", "device", "profiler", "policy", "executor", "planner", "report", "retry",
         "retry_buffers", "ranks",
