@@ -314,7 +314,7 @@ def run(scenario: Scenario, iterations: int, chameleon: bool = True, config: dic
     result = Run([], [], {})
     runtime = None
     if chameleon:
-        runtime = Chameleon({"min_swap_bytes": 0, **(config or {})}, device=EmulatedDevice(capacity_bytes=capacity_bytes))
+        runtime = Chameleon({"min_swap_bytes": 0, **(config or {})}, device=EmulatedDevice(capacity_bytes=capacity_bytes, host_op_s=1e-6))
         runtime.attach(model)
         runtime.watch_optimizer(opt)
         conclude = runtime.profiler.conclude

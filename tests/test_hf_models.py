@@ -123,7 +123,7 @@ def test_training_under_swap_is_bit_identical(kind):
     assert floor < unswapped
     capacity = int(floor + CAPACITY_POSITION * (unswapped - floor))
     config = {"min_swap_bytes": 1024, "memory_budget": BUDGET_FRACTION}
-    chameleon = Chameleon(config, device=EmulatedDevice(capacity))
+    chameleon = Chameleon(config, device=EmulatedDevice(capacity, host_op_s=1e-6))  # (trials rank alike)
     swapped, plain = train(kind, chameleon), train(kind)
 
     reports = swapped.reports
