@@ -308,7 +308,7 @@ class Chameleon:
         return PolicySettings(
             budget_bytes=self.memory_budget_bytes,
             min_swap_bytes=self.executor.min_swap_bytes,
-            host_budget_bytes=self.device.host_pool.budget_bytes,
+            host_budget_bytes=self.budgets.host_budget_bytes,  # (the pool's: adopt_budget took it at start)
             trials=self.config.profiler.policy_trials,
             allow_recompute=self.config.executor.allow_recompute,
             d2h_bytes_per_s=_planning_rate(self.device.d2h_bytes_per_s, self.config.device.d2h_bytes_per_s),

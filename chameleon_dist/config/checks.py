@@ -4,7 +4,8 @@ Each function returns a problem line (without the setting's path) or ``None`` / 
 ``"path: problem"`` lines, so that callers report every problem at once in one ``ConfigError``. The
 schema runs what it can know from the config alone (a byte budget above ``device.capacity``); the runtime
 runs the rest once the device exists (a device passed to ``Chameleon(device=...)``, the real capacity,
-this machine's RAM). Devices are duck-typed: nothing here imports torch.
+this machine's RAM), from the budgets resolved at start (``config/budgets.py``): nothing here reads the
+machine. Devices are duck-typed: nothing here imports torch.
 """
 
 from __future__ import annotations

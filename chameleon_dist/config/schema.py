@@ -9,7 +9,6 @@ such as ``"6GB"``; budgets also accept a fraction in (0, 1] and ``"auto"``. Valu
 from __future__ import annotations
 
 import difflib
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -39,8 +38,6 @@ from chameleon_dist.config.node import HostShare
 
 if TYPE_CHECKING:
     import argparse
-
-logger = logging.getLogger(__name__)
 
 KNOWN_PRESETS: tuple[str, ...] = ("ascend-910b", "h100-pcie", "a100-pcie", "h200", "gh200")
 
