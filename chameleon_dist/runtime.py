@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 from torch import nn
 
-from chameleon_dist.config import ChameleonConfig, ConfigError, load_config, physical_memory_bytes
+from chameleon_dist.config import ChameleonConfig, ConfigError, load_config
+from chameleon_dist.config.budgets import ResolvedBudgets, read_node, resolve_budgets
 from chameleon_dist.config.checks import model_fit_problem, runtime_problems
-from chameleon_dist.config.node import HostShare
 from chameleon_dist.device.base import Device, module_device_bytes
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.device.iteration_times import IterationTimes
@@ -140,15 +140,16 @@ class Chameleon:
     ) -> None:
         self.config = load_config(config)
         self.coordinates = coordinates
-        self.device = device if device is not None else make_device(self.config)
-        problems = runtime_problems(self.config, self.device, device_passed=device is not None,
-                                    host_total_bytes=physical_memory_bytes())
+        node = read_node()  # (the one read of the host's RAM, limits and LOCAL_WORLD_SIZE: config/budgets.py)
+        self.device = device if device is not None else make_device(self.config, node)
+        passed = device is not None
+        self.budgets: ResolvedBudgets = resolve_budgets(self.config, self.device, node, device_passed=passed)
+        problems = runtime_problems(self.config, self.device, self.budgets, device_passed=passed)
         if problems:
             raise ConfigError(problems)
-        if device is not None and device.host_pool.budget_bytes is None and "host_memory_budget" in self.config.model_fields_set:
-            # a device made without a host budget takes the config's (a different one is an error above)
-            device.host_pool.adopt_budget(self.config.host_memory_budget_bytes(pinned=not device.emulated))
-        self.memory_budget_bytes = self.config.memory_budget_bytes(self.device.capacity_bytes)
+        # a device made without a host budget takes the config's (a different one is an error above)
+        self.device.host_pool.adopt_budget(self.budgets.host_budget_bytes)
+        self.memory_budget_bytes = self.budgets.memory_budget_bytes
         self.executor = SwapExecutor(
             self.device, self.config.min_swap_bytes, prefetch_depth=self.config.executor.prefetch_depth,
             prefetch_limit_bytes=self.memory_budget_bytes,
@@ -167,7 +168,7 @@ class Chameleon:
         # close pair tried again would measure the same (``policy.ranking``): the fastest wins, as measured
         exact_times = self.device.emulated and getattr(getattr(self.device, "model", None), "host_op_s", None) is not None
         ranking = TrialRanking(0.0, 0) if exact_times else TrialRanking(profiler.trial_margin, profiler.trial_repeats)
-        self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.device.capacity_bytes,
+        self.controller = PolicyController(self._policy_settings(), capacity_bytes=self.budgets.capacity_bytes,
                                            ranking=ranking)
         self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._iteration = 0
@@ -178,7 +179,7 @@ class Chameleon:
         self.last_report: IterationReport | None = None
         self._warned_unknown_parameters = False  # run_iteration retried without knowing every parameter
         self.device.set_pressure_handler(self.executor.relieve_pressure if self.config.enabled else None)
-        host_share = self._host_share()
+        host_share = self.budgets.described_host()
         logger.info(
             "chameleon %s on %s (memory budget %s, min_swap_bytes %s, %s)",
             "enabled" if self.config.enabled else "disabled (measuring only)",
@@ -190,15 +191,6 @@ class Chameleon:
         node_problem = host_share.node_problem()
         if node_problem is not None and self.config.enabled:
             logger.warning("%s", node_problem)
-
-    def _host_share(self) -> HostShare:
-        """This rank's host budget and its source: the config's share of the node, or the passed device's own
-        byte budget (per rank)."""
-        share = self.config.host_share(pinned=not self.device.emulated)  # (CUDA page-locks: RLIMIT_MEMLOCK)
-        budget_bytes = self.device.host_pool.budget_bytes
-        if budget_bytes is not None and budget_bytes != share.per_rank_bytes:
-            share = dataclasses.replace(share, budget=budget_bytes)
-        return share
 
     @property
     def stage(self) -> Stage:
@@ -219,7 +211,7 @@ class Chameleon:
             return model
         self.device.track_module(model)
         problem = model_fit_problem(type(model).__name__, module_device_bytes(model, self.device),
-                                    self.device.live_bytes(), self.device.capacity_bytes)
+                                    self.device.live_bytes(), self.budgets.capacity_bytes)
         if problem is not None:
             raise ConfigError([problem])
         self.executor.protect(model)
@@ -316,7 +308,7 @@ class Chameleon:
         return PolicySettings(
             budget_bytes=self.memory_budget_bytes,
             min_swap_bytes=self.executor.min_swap_bytes,
-            host_budget_bytes=self.device.host_pool.budget_bytes,
+            host_budget_bytes=self.budgets.host_budget_bytes,  # (the pool's: adopt_budget took it at start)
             trials=self.config.profiler.policy_trials,
             allow_recompute=self.config.executor.allow_recompute,
             d2h_bytes_per_s=_planning_rate(self.device.d2h_bytes_per_s, self.config.device.d2h_bytes_per_s),
@@ -524,7 +516,7 @@ class Chameleon:
         return dict(
             enabled=self.config.enabled,
             peak_device_bytes=self.device.peak_bytes(),
-            capacity_bytes=self.device.capacity_bytes,
+            capacity_bytes=self.budgets.capacity_bytes,
             memory_budget_bytes=self.memory_budget_bytes,
             host_pool_bytes=self.device.host_pool.reserved_bytes,
             host_memory_budget_bytes=self.device.host_pool.budget_bytes,

@@ -192,3 +192,73 @@ def test_integrations_call_no_private_member_of_the_runtime():
             if name in held_names or is_super:
                 offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not offenders, "\n".join(offenders)
+
+
+# Issue 38: every budget is resolved once, at start, by config/budgets.py (read_node, resolve_budgets); everything
+# else takes its result. Each rule: the names whose call (or, for the texts, whose mention as a whole string
+# constant) only the listed modules may make.
+MACHINE_READERS = frozenset({
+    "local_world_size", "read_host_limits", "physical_memory_bytes", "read_cgroup_limit", "read_memlock_bytes",
+    "sysconf", "getrlimit", "HostShare", "resolve_budget_bytes",
+})
+BUDGET_RULES = (
+    (MACHINE_READERS, frozenset({"config/budgets.py", "config/node.py", "config/host_limits.py"})),
+    # the one resolution, at start (ChameleonConfig's own budget methods wrap it for a caller without a runtime)
+    (frozenset({"read_node", "resolve_budgets"}), frozenset({"runtime.py", "config/schema.py"})),
+    # ChameleonConfig's methods that read the machine afresh: make_device's default, when no reading is given
+    (frozenset({"host_memory_budget_bytes", "host_share", "memory_budget_bytes"}),
+     frozenset({"config/budgets.py", "config/schema.py", "device/factory.py"})),
+)
+MACHINE_TEXTS = frozenset({"LOCAL_WORLD_SIZE", "/proc/meminfo", "SC_PHYS_PAGES"})
+MACHINE_TEXT_HOLDERS = frozenset({"config/node.py", "config/host_limits.py"})
+CAPACITY_FROM_BUDGETS = frozenset({"runtime.py"})  # these take the device's capacity from ResolvedBudgets
+
+
+def _called_name(call: ast.Call) -> str | None:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+def budget_resolution_offenders(rel: str, tree: ast.AST) -> list[str]:
+    """``"rel:line: what"`` for each place in module ``rel`` (a posix path inside the package) that resolves a
+    budget outside config/budgets.py: reads the machine, resolves afresh, or asks the device for its capacity."""
+    offenders = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _called_name(node)
+            offenders += [f"{rel}:{node.lineno}: calls {name}" for names, allowed in BUDGET_RULES
+                          if name in names and rel not in allowed]
+        elif isinstance(node, ast.Constant) and node.value in MACHINE_TEXTS and rel not in MACHINE_TEXT_HOLDERS:
+            offenders.append(f"{rel}:{node.lineno}: names {node.value!r}")
+        elif isinstance(node, ast.Attribute) and node.attr == "capacity_bytes" and rel in CAPACITY_FROM_BUDGETS:
+            owner = node.value
+            if (owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)) == "device":
+                offenders.append(f"{rel}:{node.lineno}: asks the device for its capacity (use the resolved budgets)")
+    return offenders
+
+
+def test_every_budget_is_resolved_once_by_config_budgets():
+    offenders = [o for rel, tree in _modules() for o in budget_resolution_offenders(rel.as_posix(), tree)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_budget_rule_fires_on_a_second_resolution():
+    bad = ast.parse(
+        "import os\n"
+        "ranks = int(os.environ.get('LOCAL_WORLD_SIZE', '1'))\n"
+        "ram_bytes = os.sysconf('SC_PHYS_PAGES') * 4096\n"
+        "share = config.host_memory_budget_bytes(pinned=True)\n"
+        "node = read_node()\n"
+        "capacity_bytes = self.device.capacity_bytes\n"
+    )
+    found = budget_resolution_offenders("runtime.py", bad)
+    assert sorted(o.split(": ", 1)[1] for o in found if o.startswith("runtime.py:3:")) == [
+        "calls sysconf", "names 'SC_PHYS_PAGES'"]
+    assert any(o.startswith("runtime.py:2: names 'LOCAL_WORLD_SIZE'") for o in found)
+    assert "runtime.py:4: calls host_memory_budget_bytes" in found
+    assert not [o for o in found if o.startswith("runtime.py:5:")]  # the runtime runs the one resolution
+    assert any(o.startswith("runtime.py:6: asks the device for its capacity") for o in found)
+    assert budget_resolution_offenders("executor/swap.py", ast.parse("node = read_node()")) == [
+        "executor/swap.py:1: calls read_node"]
+    assert budget_resolution_offenders("config/budgets.py", ast.parse("limits = read_host_limits(None)")) == []
+    assert budget_resolution_offenders("runtime.py", ast.parse("capacity_bytes = self.budgets.capacity_bytes")) == []

@@ -4,7 +4,8 @@ Each function returns a problem line (without the setting's path) or ``None`` / 
 ``"path: problem"`` lines, so that callers report every problem at once in one ``ConfigError``. The
 schema runs what it can know from the config alone (a byte budget above ``device.capacity``); the runtime
 runs the rest once the device exists (a device passed to ``Chameleon(device=...)``, the real capacity,
-this machine's RAM). Devices are duck-typed: nothing here imports torch.
+this machine's RAM), from the budgets resolved at start (``config/budgets.py``): nothing here reads the
+machine. Devices are duck-typed: nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def budget_over_total_problem(budget: Budget, total_bytes: int | None, total: st
             f"of it such as 0.9")
 
 
-def device_conflicts(settings: Any, device: Any) -> list[str]:
+def device_conflicts(settings: Any, device: Any, capacity_bytes: int | None = None) -> list[str]:
     """``"device.<field>: ..."`` for each field the user set in the config's ``device`` section (pydantic's
-    ``model_fields_set``, values other than null/"auto") that the passed ``device`` contradicts."""
+    ``model_fields_set``, values other than null/"auto") that the passed ``device`` contradicts.
+    ``capacity_bytes``: the device's capacity as resolved at start (default: asked of the device now)."""
+    if capacity_bytes is None:
+        capacity_bytes = device.capacity_bytes
     problems = []
     given = {name for name in settings.model_fields_set if getattr(settings, name) not in (None, "auto")}
     emulated = bool(getattr(device, "emulated", False))
@@ -76,8 +80,8 @@ def device_conflicts(settings: Any, device: Any) -> list[str]:
 
     if "kind" in given and (settings.kind == "emulated") != emulated:
         conflict("kind", repr(settings.kind), "kind 'emulated'" if emulated else "kind 'cuda'")
-    if "capacity" in given and settings.capacity != device.capacity_bytes:
-        conflict("capacity", _bytes(settings.capacity), f"capacity {_bytes(device.capacity_bytes)}")
+    if "capacity" in given and settings.capacity != capacity_bytes:
+        conflict("capacity", _bytes(settings.capacity), f"capacity {_bytes(capacity_bytes)}")
     if "enforce_capacity" in given and not emulated:  # the emulated device always enforces its capacity
         enforced = bool(getattr(device, "capacity_enforced", False))
         if enforced != settings.enforce_capacity:
@@ -97,31 +101,30 @@ def device_conflicts(settings: Any, device: Any) -> list[str]:
     return problems
 
 
-def runtime_problems(config: Any, device: Any, *, device_passed: bool, host_total_bytes: int | None) -> list[str]:
-    """Every ``"path: problem"`` the runtime finds once ``device`` exists: a byte ``memory_budget`` above
-    the device's capacity, a byte ``host_memory_budget`` above ``host_total_bytes`` (this machine's RAM;
-    None = unknown), and, when ``device_passed``, config ``device`` settings that contradict it."""
+def runtime_problems(config: Any, device: Any, budgets: Any, *, device_passed: bool) -> list[str]:
+    """Every ``"path: problem"`` the runtime finds once ``device`` exists, from the budgets resolved at start
+    (``budgets``: ``config/budgets.py``'s ``ResolvedBudgets``): a byte ``memory_budget`` above the device's
+    capacity, a byte ``host_memory_budget`` above this machine's RAM (unknown: no check), and, when
+    ``device_passed``, config ``device`` settings that contradict it, and a host budget of the config's that
+    differs from the one the device's host pool has."""
     problems = []
-    budget = budget_over_total_problem(config.memory_budget, device.capacity_bytes,
-                                       "the device's capacity (device.capacity)", "memory_budget")
+    budget = budget_over_total_problem(config.memory_budget, budgets.capacity_bytes, budgets.capacity_source,
+                                       "memory_budget")
     if budget is not None:
         problems.append(f"memory_budget: {budget}")
-    host = budget_over_total_problem(config.host_memory_budget, host_total_bytes, "this machine's RAM",
+    host = budget_over_total_problem(config.host_memory_budget, budgets.ram_bytes, budgets.ram_source,
                                      "host_memory_budget")
     if host is not None:
         problems.append(f"host_memory_budget: {host}")
     if device_passed:
-        problems.extend(device_conflicts(config.device, device))
-        host_pool = getattr(device, "host_pool", None)
-        has_budget = host_pool is not None and host_pool.budget_bytes is not None  # (None: the runtime applies it)
-        if host is None and has_budget and "host_memory_budget" in config.model_fields_set:
-            pinned = not bool(getattr(device, "emulated", False))  # (the CUDA device page-locks: RLIMIT_MEMLOCK)
-            wanted = config.host_memory_budget_bytes(host_total_bytes, pinned=pinned)
-            if wanted is not None and wanted != host_pool.budget_bytes:
-                has = _bytes(host_pool.budget_bytes)
+        problems.extend(device_conflicts(config.device, device, budgets.capacity_bytes))
+        has_bytes = budgets.device_host_budget_bytes  # (None: the runtime applies the config's)
+        if host is None and has_bytes is not None and "host_memory_budget" in config.model_fields_set:
+            wanted = budgets.host.per_rank_bytes
+            if wanted is not None and wanted != has_bytes:
                 problems.append(
                     f"host_memory_budget: the config sets {_bytes(wanted)} "
-                    f"but {PASSED_DEVICE} has a host pool with {has}; give the device "
+                    f"but {PASSED_DEVICE} has a host pool with {_bytes(has_bytes)}; give the device "
                     "host_memory_budget_bytes, or remove host_memory_budget from the config"
                 )
     return problems

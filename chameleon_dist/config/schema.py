@@ -8,9 +8,7 @@ such as ``"6GB"``; budgets also accept a fraction in (0, 1] and ``"auto"``. Valu
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -32,17 +30,16 @@ from chameleon_dist.config.checks import (
     SMALL_BUDGET_MAX, budget_over_total_problem, device_setting_problem, small_budget_problem,
 )
 from chameleon_dist.config.errors import CUSTOM_ERROR, ConfigError
-from chameleon_dist.config.host_limits import HostLimits, physical_memory_bytes, read_host_limits
-from chameleon_dist.config.node import HostShare, local_world_size
+from chameleon_dist.config.budgets import (  # noqa: F401 - the fractions are re-exported
+    AUTO_DEVICE_FRACTION, AUTO_HOST_FRACTION, device_budget_bytes, read_node,
+)
+from chameleon_dist.config.host_limits import HostLimits, physical_memory_bytes  # noqa: F401 - re-exported
+from chameleon_dist.config.node import HostShare
 
 if TYPE_CHECKING:
     import argparse
 
-logger = logging.getLogger(__name__)
-
 KNOWN_PRESETS: tuple[str, ...] = ("ascend-910b", "h100-pcie", "a100-pcie", "h200", "gh200")
-AUTO_DEVICE_FRACTION = 0.9
-AUTO_HOST_FRACTION = 0.5
 
 _SIZE_USE = 'use bytes (e.g. 1048576) or a size string like "1MiB", "800kB" or "6GB"'
 _RATE_USE = 'use bytes per second (e.g. 25000000000) or a size string like "25GB" (per second)'
@@ -340,35 +337,26 @@ class ChameleonConfig(_Section):
         return self
 
     def memory_budget_bytes(self, capacity_bytes: int) -> int:
-        """The device budget in bytes for a device of ``capacity_bytes``."""
-        return sizes.resolve_budget_bytes(self.memory_budget, capacity_bytes, AUTO_DEVICE_FRACTION)
+        """The device budget in bytes for a device of ``capacity_bytes`` (``config/budgets.py``)."""
+        return device_budget_bytes(self.memory_budget, capacity_bytes)
 
     def host_memory_budget_bytes(self, host_total_bytes: int | None = None, local_ranks: int | None = None, *,
                                  pinned: bool = False, limits: HostLimits | None = None) -> int | None:
         """This rank's host budget in bytes (``host_share``). None when a share of the RAM is asked and the
         RAM cannot be read."""
-        share = self.host_share(host_total_bytes, local_ranks, pinned=pinned, limits=limits)
-        if share.per_rank_bytes is None:
-            logger.warning("cannot read the host's RAM size: host_memory_budget %r is not enforced",
-                           self.host_memory_budget)
-        return share.per_rank_bytes
+        node = read_node(ram_bytes=host_total_bytes, local_ranks=local_ranks, limits=limits)
+        return node.host_budget_bytes(self.host_memory_budget, pinned=pinned)
 
     def host_share(self, host_total_bytes: int | None = None, local_ranks: int | None = None, *,
                    pinned: bool = False, limits: HostLimits | None = None) -> HostShare:
-        """``host_memory_budget`` for one rank, the one place it is resolved: "auto" and fractions are of
-        ``host_total_bytes`` (default: the smaller of this node's RAM and its cgroup's memory limit, from
-        ``limits``, default read now: ``config/host_limits.py``) divided among ``local_ranks`` (default:
-        ``LOCAL_WORLD_SIZE``, else 1), and, for a device that page-locks its host buffers (``pinned``: the
-        CUDA device), at most ``RLIMIT_MEMLOCK``; a byte budget is per rank as written (``config/node.py``)."""
-        if local_ranks is None:
-            local_ranks = local_world_size()
-        if limits is None:
-            limits = read_host_limits(host_total_bytes)
-        elif host_total_bytes is not None:
-            limits = dataclasses.replace(limits, ram_bytes=host_total_bytes)
-        shared_bytes, bound = limits.shared_bytes()  # (for a byte budget: the node-wide warning only)
-        return HostShare(self.host_memory_budget, shared_bytes, local_ranks, AUTO_HOST_FRACTION, total_bound=bound,
-                         memlock_bytes=limits.memlock_bytes if pinned else None)
+        """``host_memory_budget`` for one rank, resolved by ``config/budgets.py`` from the machine read now:
+        "auto" and fractions are of ``host_total_bytes`` (default: the smaller of this node's RAM and its
+        cgroup's memory limit, from ``limits``, default read now: ``config/host_limits.py``) divided among
+        ``local_ranks`` (default: ``LOCAL_WORLD_SIZE``, else 1), and, for a device that page-locks its host
+        buffers (``pinned``: the CUDA device), at most ``RLIMIT_MEMLOCK``; a byte budget is per rank as written
+        (``config/node.py``). The runtime reads the machine once at start instead (``read_node``)."""
+        node = read_node(ram_bytes=host_total_bytes, local_ranks=local_ranks, limits=limits)
+        return node.host_share(self.host_memory_budget, pinned=pinned)
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: Any) -> "ChameleonConfig":

@@ -14,6 +14,7 @@ from chameleon_dist.device.model import DeviceModel
 
 if TYPE_CHECKING:
     from chameleon_dist.config import ChameleonConfig
+    from chameleon_dist.config.budgets import NodeReading
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +27,20 @@ def accelerator_is_cuda() -> bool:
     return accelerator is not None and accelerator.type == "cuda"
 
 
-def make_device(config: "ChameleonConfig") -> Device:
+def make_device(config: "ChameleonConfig", node: "NodeReading | None" = None) -> Device:
     """``device.kind``: "cuda", "emulated", or "auto" (CUDA when present, else the emulated device; always the
-    emulated device with ``device.meta_tensors``, which a GPU cannot run)."""
+    emulated device with ``device.meta_tensors``, which a GPU cannot run). Its host pool's budget is
+    ``host_memory_budget`` from ``node``, the machine as the runtime read it at start (``config/budgets.py``);
+    without one, from the machine read now."""
     settings = config.device
     kind = settings.kind
     if kind == "auto":
         kind = "cuda" if accelerator_is_cuda() and not settings.meta_tensors else "emulated"
-    host_budget_bytes = config.host_memory_budget_bytes(pinned=kind == "cuda")  # (page-locked: RLIMIT_MEMLOCK)
+    pinned = kind == "cuda"  # (page-locked: RLIMIT_MEMLOCK)
+    if node is None:
+        host_budget_bytes = config.host_memory_budget_bytes(pinned=pinned)
+    else:
+        host_budget_bytes = node.host_budget_bytes(config.host_memory_budget, pinned=pinned)
     if kind == "cuda":
         from chameleon_dist.device.cuda import CudaDevice
 
