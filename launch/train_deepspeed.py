@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from launch.kill_point import KillPoint, kill_flags
 from launch.cuda_ranks import rank_cuda_setup
 from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
-from launch.toy_gpt import Block, MoEFeedForward
+from launch.models.toy_gpt import Block, MoEFeedForward
 
 from chameleon_dist.config.loaders import config_from_deepspeed
 from chameleon_dist.units import format_bytes

@@ -1,10 +1,10 @@
-"""The variants of the swap benchmarks on a simulated device (launch/bench_executor.py, bench_sweep.py and
+"""The variants of the swap benchmarks on a simulated device (launch/bench/bench_executor.py, bench_sweep.py and
 bench_dynamic.py build on them): the GPT shapes and batches, PyTorch's ``save_on_cpu`` emulated on an
 ``EmulatedDevice``, the ``Variant`` that trains one model copy on its own device (with a Chameleon runtime, or
 ``save_on_cpu`` semantics without one) and records every iteration's device-clock figures, the unswapped
 measurement of a shape, the swap floor and the capacity planned from them, the Chameleon and baseline configs,
 the link's figures and the per-variant summary over timed rounds. Every figure is emulated device time
-(launch/device_clock.py).
+(launch/bench/device_clock.py).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import statistics
 import weakref
 from typing import Callable, Iterator
 
-from launch.device_clock import (
+from launch.bench.device_clock import (
     DeviceSpan, clock_delta, clock_mark, iteration_figures, make_device, median_of, physical_bound, restart_host_clock,
 )
-from launch.harness import VariantSpec, quartiles
-from launch.saved_activations import SavedActivations
-from launch.toy_gpt import GPT, forward_matmul_flop
+from launch.bench.harness import VariantSpec, quartiles
+from launch.bench.saved_activations import SavedActivations
+from launch.models.toy_gpt import GPT, forward_matmul_flop
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ def make_model(args: argparse.Namespace) -> GPT:
 
 
 def model_flop(args: argparse.Namespace) -> dict:
-    """Matmul FLOP of one forward pass and of forward + backward for ``args``' shape (launch/toy_gpt.py)."""
+    """Matmul FLOP of one forward pass and of forward + backward for ``args``' shape (launch/models/toy_gpt.py)."""
     forward = forward_matmul_flop(args.vocab, args.hidden, args.layers, args.seq, args.batch)
     return {"forward_matmul_flop": forward, "iteration_matmul_flop": 3 * forward}
 
@@ -212,7 +212,7 @@ class Variant:
         return closure
 
     def step(self, batch: torch.Tensor) -> dict:
-        """One iteration; its record's times are device seconds (launch/device_clock.py)."""
+        """One iteration; its record's times are device seconds (launch/bench/device_clock.py)."""
         gc.collect()
         closure = self._closure(batch)
         device = self.device
@@ -412,7 +412,7 @@ def baseline_config(args: argparse.Namespace) -> dict:
 
 def link_figures(d2h_bytes_per_s: float, unswapped: dict) -> dict:
     """What the link can move in the unswapped run's forward and iteration device times, and the physical bound:
-    the share of the saved activation bytes it moves in the forward's compute shadow (launch/device_clock.py)."""
+    the share of the saved activation bytes it moves in the forward's compute shadow (launch/bench/device_clock.py)."""
     saved_bytes = sum(unswapped["saved_storage_bytes"])
     return {
         "emulated": True, "d2h_bytes_per_s": d2h_bytes_per_s, "saved_activation_bytes": saved_bytes,

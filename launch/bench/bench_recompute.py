@@ -2,9 +2,9 @@
 swap + per-tensor recompute, and whole-layer recomputation (``torch.utils.checkpoint`` per block), against
 an unconstrained run, each on its own simulated device: ``--preset`` at its real rates, on the device clock,
 with ``--host-op-s`` host seconds per op (default 2e-5: runs repeat exactly; ``measured``: the host's own
-time). See launch/device_clock.py for what each figure means.
+time). See launch/bench/device_clock.py for what each figure means.
 
-The model (launch/swiglu_lm.py) is full of ops that are cheap to rebuild and costly to copy (RMSNorm,
+The model (launch/models/swiglu_lm.py) is full of ops that are cheap to rebuild and costly to copy (RMSNorm,
 SwiGLU, LayerNorm, GELU). The capacity takes ``--cut`` of the saved activations off the unswapped peak;
 whether the link can carry that in the compute's shadow is what the physical bound says (the share of the
 saved bytes the link moves in the forward's device time: at a real accelerator link and this fp32 model it
@@ -17,9 +17,9 @@ device memory against the capacity, bytes swapped (and their share of the saved 
 the physical bound) and recomputed per iteration, and whether losses and final parameters are
 ``torch.equal`` to the unconstrained run's. Every number is emulated.
 
-    .venv/bin/python -m launch.bench_recompute --json runs/bench_recompute.json   # a few minutes on 2 cores
-    .venv/bin/python -m launch.bench_recompute --host-op-s measured                 # the host's measured time
-    .venv/bin/python -m launch.bench_recompute --small                              # seconds
+    .venv/bin/python -m launch.bench.bench_recompute --json runs/bench_recompute.json   # a few minutes on 2 cores
+    .venv/bin/python -m launch.bench.bench_recompute --host-op-s measured                 # the host's measured time
+    .venv/bin/python -m launch.bench.bench_recompute --small                              # seconds
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import statistics
 import sys
 from pathlib import Path
 
-from launch.device_clock import (  # noqa: E402
+from launch.bench.device_clock import (  # noqa: E402
     DeviceSpan, add_device_arguments, clock_delta, clock_mark, device_figures, host_bound_label, iteration_figures,
     make_device, median_of, physical_bound, restart_host_clock,
 )
-from launch.harness import VariantSpec, report_fields, rotated, run_benchmark  # noqa: E402
-from launch.saved_activations import SavedActivations  # noqa: E402
-from launch.swiglu_lm import SwiGLULM  # noqa: E402
+from launch.bench.harness import VariantSpec, report_fields, rotated, run_benchmark  # noqa: E402
+from launch.bench.saved_activations import SavedActivations  # noqa: E402
+from launch.models.swiglu_lm import SwiGLULM  # noqa: E402
 
 import torch
 from torch.nn import functional as F
@@ -70,7 +70,7 @@ class Runner:
         self.records: list[dict] = []
 
     def step(self, batch: torch.Tensor) -> None:
-        """One iteration; its record's times are device seconds (launch/device_clock.py), with the forward pass's
+        """One iteration; its record's times are device seconds (launch/bench/device_clock.py), with the forward pass's
         compute-busy and elapsed device time."""
         gc.collect()
         forward = {}
@@ -270,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    return run_benchmark("launch.bench_recompute", argv, args, torch, run, report)
+    return run_benchmark("launch.bench.bench_recompute", argv, args, torch, run, report)
 
 
 if __name__ == "__main__":

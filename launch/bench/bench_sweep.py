@@ -1,6 +1,6 @@
-"""Sweep of the hidden-transfer benchmark (issue 13, item 4): launch/bench_executor.py's measurement at several
+"""Sweep of the hidden-transfer benchmark (issue 13, item 4): launch/bench/bench_executor.py's measurement at several
 ``--hide-share`` values on several simulated devices (accelerator presets at their real rates, on the device
-clock; launch/device_clock.py), for Chameleon swap-only (``executor.allow_recompute: false``), Chameleon swap +
+clock; launch/bench/device_clock.py), for Chameleon swap-only (``executor.allow_recompute: false``), Chameleon swap +
 recompute (``executor.allow_recompute: true``, the default), the swap-everything baseline and ``save_on_cpu``
 semantics, each cell against its own unconstrained reference run. Every figure is emulated: device seconds of
 a simulated GPU whose kernels take their roofline cost from the preset (fp32 here: the preset's fp32 peak),
@@ -8,7 +8,7 @@ whose copies take their bytes over the preset's real link rate, and whose host s
 (default 2e-5: runs repeat exactly; ``measured``: the host's own time).
 
 Model: ``--shape llm-like`` by default (swap_variants.SHAPES: 2 layers, hidden 2048, seq 16, fp32); it prints its
-forward matmul FLOP per saved byte (from the shape, launch/toy_gpt.py) next to Llama2-7B's, and per device the
+forward matmul FLOP per saved byte (from the shape, launch/models/toy_gpt.py) next to Llama2-7B's, and per device the
 share of its saved activations the link can move during one forward pass's device time (the physical bound)
 and during one iteration.
 
@@ -41,9 +41,9 @@ policy or the "all" policy (swap everything). ``targets`` checks issue 13's: at 
 Chameleon variant <= 1.05x; at every share never slower than the baseline and within 10% of its prediction;
 no fallback; plus bit-identity.
 
-    .venv/bin/python -m launch.bench_sweep --json runs/bench_sweep.json   # the sweep (a few minutes on 2 cores)
-    .venv/bin/python -m launch.bench_sweep --host-op-s measured           # the host's measured time per op
-    .venv/bin/python -m launch.bench_sweep --small                        # tiny model, 2 shares, 1 link (smoke test)
+    .venv/bin/python -m launch.bench.bench_sweep --json runs/bench_sweep.json   # the sweep (a few minutes on 2 cores)
+    .venv/bin/python -m launch.bench.bench_sweep --host-op-s measured           # the host's measured time per op
+    .venv/bin/python -m launch.bench.bench_sweep --small                        # tiny model, 2 shares, 1 link (smoke test)
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ import time
 import traceback
 from pathlib import Path
 
-from launch.device_clock import add_device_arguments, device_figures, host_bound_label, make_device, print_device
-from launch.harness import VariantSpec, balanced_orders, run_benchmark  # noqa: F401  (balanced_orders: for the tests)
-from launch.swap_variants import (
+from launch.bench.device_clock import add_device_arguments, device_figures, host_bound_label, make_device, print_device
+from launch.bench.harness import VariantSpec, balanced_orders, run_benchmark  # noqa: F401  (balanced_orders: for the tests)
+from launch.bench.swap_variants import (
     MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, Variant, add_model_arguments, add_moved_shares, apply_shape,
     baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes,
     measure_unswapped, model_flop, plan_capacity, summarize,
@@ -516,7 +516,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("launch.bench_sweep", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench.bench_sweep", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Planner calibration files from the simulated runtime, and the planner's predictions against the simulation
 (issue 29, item 6). Every time here is simulated: Megatron-core GPT layers at real shapes on meta tensors, on the
-emulated device's roofline clock for a preset (``launch/scale_runs.py``, docs/llm-scale.md).
+emulated device's roofline clock for a preset (``launch/experiments/scale_runs.py``, docs/llm-scale.md).
 
 Producing a file (``--model CASE --preset PRESET --out FILE``): one profiled iteration of the case through
 Megatron's schedule (no swap, no recomputation, ``scale_runs.profiled_iteration``) and a second one of the same
@@ -23,9 +23,9 @@ and calibrated from a file this script produces for that case and preset, and (c
 file of the same preset. The simulated ranks run no optimizer step: the predicted times here leave out the
 planner's optimizer term (``bench_scale``'s ``time_error`` includes it).
 
-    PYTHONPATH=. .venv/bin/python -m launch.planner_calibration --model llama2-7b --preset h100-pcie \\
+    PYTHONPATH=. .venv/bin/python -m launch.experiments.planner_calibration --model llama2-7b --preset h100-pcie \\
         --out runs/calibration/llama2-7b_h100-pcie.json
-    PYTHONPATH=. .venv/bin/python -m launch.planner_calibration --compare --scale-dir runs/scale \\
+    PYTHONPATH=. .venv/bin/python -m launch.experiments.planner_calibration --compare --scale-dir runs/scale \\
         --calibration-dir runs/calibration --markdown runs/calibration/compare.md
 """
 
@@ -40,7 +40,7 @@ import time
 import types
 from pathlib import Path
 
-from launch.scale_runs import CASES, Case
+from launch.experiments.scale_runs import CASES, Case
 
 logger = logging.getLogger("planner_calibration")
 
@@ -90,7 +90,7 @@ def measure(case: Case, *, preset: str, seq_length: int | None = None, micro_bat
     from chameleon_dist.device.presets import get_preset
     from chameleon_dist.integrations.megatron.meta_models import megatron_meta_session
     from chameleon_dist.planner.profiles import load_model
-    from launch.scale_runs import profiled_iteration
+    from launch.experiments.scale_runs import profiled_iteration
 
     profile = load_model(case.profile)
     seq_length = seq_length or profile.seq_length
@@ -124,7 +124,7 @@ def measure(case: Case, *, preset: str, seq_length: int | None = None, micro_bat
         out["head_backward_s"] = (full.backward_s - layers * m * layer_backward_s) / m
     out.update({"h2d_bytes_per_s": figures.h2d_bytes_per_s, "d2h_bytes_per_s": figures.d2h_bytes_per_s,
                 "h2d_concurrent_bytes_per_s": figures.h2d_bytes_per_s * figures.duplex_factor})
-    out["command"] = (f"python -m launch.planner_calibration --model {case.name} --preset {preset} "
+    out["command"] = (f"python -m launch.experiments.planner_calibration --model {case.name} --preset {preset} "
                       f"--layers {layers} --seq-length {seq_length} --micro-batches {m}")
     out["notes"] = (f"simulated (emulated device, meta tensors): kernel seconds of one profiled iteration of "
                     f"{case.describe(seq_length)} and of the same with 1 layer, {m} micro-batches of "
@@ -144,7 +144,7 @@ def _args_for(result: dict, preset: str):
 
 def predictions(case: Case, result: dict, preset: str, budgets: list[int], hardware=None) -> dict:
     """``scale_report.planner_predictions`` for ``result``'s rows (``hardware``: None, the preset's uncalibrated)."""
-    from launch.scale_report import planner_predictions
+    from launch.experiments.scale_report import planner_predictions
 
     reference = types.SimpleNamespace(model_state_bytes=result["reference"]["model_state_bytes"])
     return planner_predictions(case, _args_for(result, preset), reference, budgets, hardware=hardware)
@@ -152,7 +152,7 @@ def predictions(case: Case, result: dict, preset: str, budgets: list[int], hardw
 
 def preset_hardware(preset: str):
     from chameleon_dist.device.presets import get_preset
-    from launch.scale_report import prediction_hardware
+    from launch.experiments.scale_report import prediction_hardware
 
     return prediction_hardware(get_preset(preset))
 
@@ -286,7 +286,7 @@ def _budgets(text: str) -> tuple[float, ...]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launch.planner_calibration", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.experiments.planner_calibration", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama2-7b", choices=sorted(CASES), help="the case to calibrate from")
     parser.add_argument("--preset", default="h100-pcie", help="the emulated accelerator")
     parser.add_argument("--layers", type=int, help="layers of the case's profile (default: the case's; >= 2)")
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         rows = compare(args.scale_dir, args.calibration_dir, args.swap_budgets, remeasure=args.remeasure)
         if not rows:
-            print(f"planner_calibration: no bench_scale JSON in {args.scale_dir} (python -m launch.bench_scale "
+            print(f"planner_calibration: no bench_scale JSON in {args.scale_dir} (python -m launch.experiments.bench_scale "
                   "--model CASE --preset PRESET --json runs/scale/CASE_PRESET.json)", file=sys.stderr)
             return 2
         text = f"{markdown(rows)}\n\n{summary(rows)}"

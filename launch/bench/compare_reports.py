@@ -1,7 +1,7 @@
 """Compare two launcher reports (``--report`` of ``launch/train_megatron.py`` or ``launch/train_deepspeed.py``):
 a reference run (``--no-chameleon``: metered, nothing swapped) and a run with Chameleon.
 
-    python -m launch.compare_reports runs/reference.json runs/chameleon.json
+    python -m launch.bench.compare_reports runs/reference.json runs/chameleon.json
 
 Prints whether the two trained bit-identically (equal ``losses``, exact, and equal ``params_sha256`` on every
 rank), every rank's unswapped peak, peak with Chameleon and capacity, and the swap-out and time figures;

@@ -1,10 +1,10 @@
 """Dynamic sequences (issues 12 and 27): Chameleon at half the unswapped peak against a plain loop, on models whose
 operator sequence changes from iteration to iteration, on a simulated device: ``--preset`` at its real rates,
 on the device clock, with ``--host-op-s`` host seconds per op (default 2e-5: runs repeat exactly;
-``measured``: the host's own time). See launch/device_clock.py for what each figure means.
+``measured``: the host's own time). See launch/bench/device_clock.py for what each figure means.
 
 Each case trains two copies of one model (identical initialisation, seeded with ``--seed``; the same batches,
-plain SGD) on their own ``EmulatedDevice``. The default cases, on the plain-PyTorch GPT of launch/toy_gpt.py
+plain SGD) on their own ``EmulatedDevice``. The default cases, on the plain-PyTorch GPT of launch/models/toy_gpt.py
 (``--layers``, ``--hidden``, ``--heads``):
 
 - ``moe``: every odd layer's MLP is an eager top-2 mixture of ``--experts`` experts with a skewed router, and
@@ -61,14 +61,14 @@ Gradients stay allocated between steps (``zero_grad(set_to_none=False)``), one t
 is then the runtime's own cost (signature, matching, profiling, trials, the ops its hooks add) on a sequence
 that keeps changing.
 
-    .venv/bin/python -m launch.bench_dynamic --json runs/bench_dynamic.json   # a few minutes on 2 cores
-    .venv/bin/python -m launch.bench_dynamic --host-op-s measured             # the host's measured time
-    .venv/bin/python -m launch.bench_dynamic --instant-link --min-swap-kib 1  # the runtime's own cost
-    .venv/bin/python -m launch.bench_dynamic --small                          # seconds (smoke test)
+    .venv/bin/python -m launch.bench.bench_dynamic --json runs/bench_dynamic.json   # a few minutes on 2 cores
+    .venv/bin/python -m launch.bench.bench_dynamic --host-op-s measured             # the host's measured time
+    .venv/bin/python -m launch.bench.bench_dynamic --instant-link --min-swap-kib 1  # the runtime's own cost
+    .venv/bin/python -m launch.bench.bench_dynamic --small                          # seconds (smoke test)
 
 Issue 27's cases as tests/test_dynamic_moe.py runs them (there at 1 GB/s each way: add ``--d2h 1e9 --h2d 1e9``):
 
-    .venv/bin/python -m launch.bench_dynamic --cases mixtral_eager,mixtral_grouped,top1_lengths --lengths 32,48,64 --iterations 24
+    .venv/bin/python -m launch.bench.bench_dynamic --cases mixtral_eager,mixtral_grouped,top1_lengths --lengths 32,48,64 --iterations 24
 """
 
 from __future__ import annotations
@@ -86,13 +86,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from launch.device_clock import (
+from launch.bench.device_clock import (
     DeviceSpan, add_device_arguments, device_figures, host_bound_label, make_device, median_of, physical_bound,
 )
-from launch.harness import VariantSpec, report_fields, run_benchmark
-from launch.saved_activations import SavedActivations
-from launch.swap_variants import MIB, Variant, host_batch
-from launch.toy_gpt import GPT, MoEFeedForward
+from launch.bench.harness import VariantSpec, report_fields, run_benchmark
+from launch.bench.saved_activations import SavedActivations
+from launch.bench.swap_variants import MIB, Variant, host_batch
+from launch.models.toy_gpt import GPT, MoEFeedForward
 
 import torch
 from torch import nn
@@ -172,7 +172,7 @@ class MixtralLM(nn.Module):
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One model and its batches: ``seq_lengths[i]`` is iteration ``i``'s sequence length. ``model_kwargs``: the
-    GPT's keyword options (launch/toy_gpt.py), or with ``mixtral`` (the experts implementation, "eager" or
+    GPT's keyword options (launch/models/toy_gpt.py), or with ``mixtral`` (the experts implementation, "eager" or
     "grouped_mm") the Mixtral's shape (``MIXTRAL``)."""
 
     name: str
@@ -231,7 +231,7 @@ def make_case(name: str, args: argparse.Namespace) -> Case:
 
 
 class CaseVariant(Variant):
-    """launch/swap_variants.py's ``Variant`` (its ``step`` and records) on a case's model, always with a runtime
+    """launch/bench/swap_variants.py's ``Variant`` (its ``step`` and records) on a case's model, always with a runtime
     (``spec.config``)."""
 
     def __init__(self, spec: VariantSpec, case: Case, args: argparse.Namespace, device: EmulatedDevice) -> None:
@@ -591,7 +591,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("launch.bench_dynamic", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench.bench_dynamic", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ On CPU every rank runs on gloo with one ``EmulatedDevice`` (a simulated GPU): me
 allocator reports it; without ``--preset`` the compute figures are this CPU's measured rates and the host
 link is instant, with it the preset's roofline and real link rates. All times are emulated device time.
 
-    .venv/bin/python -m launch.bench_megatron --json runs/bench_megatron.json   # ~10 min on 2 cores
-    .venv/bin/python -m launch.bench_megatron --layouts pp2,tp2pp2 --iterations 20
-    .venv/bin/python -m launch.bench_megatron --dry-run                         # one 2-rank layout, 3 iterations
+    .venv/bin/python -m launch.bench.bench_megatron --json runs/bench_megatron.json   # ~10 min on 2 cores
+    .venv/bin/python -m launch.bench.bench_megatron --layouts pp2,tp2pp2 --iterations 20
+    .venv/bin/python -m launch.bench.bench_megatron --dry-run                         # one 2-rank layout, 3 iterations
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launch.compare_reports import compare, stable_window  # noqa: F401  (stable_window: for the tests)
-from launch.harness import run_benchmark
+from launch.bench.compare_reports import compare, stable_window  # noqa: F401  (stable_window: for the tests)
+from launch.bench.harness import run_benchmark
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAUNCHER = "launch.train_megatron"  # run as a module (torchrun -m) from the repository root
 LAYOUTS_SOURCE = REPO / "tests" / "test_megatron_ranks.py"
 DRY_RUN_LAYOUT = "pp2"
@@ -239,7 +239,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("launch.bench_megatron", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench.bench_megatron", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ A pool that keeps every exact size it ever saw grows without bound here; a bound
 
 Every figure is EMULATED (host buffers are plain CPU memory; no GPU is involved).
 
-    .venv/bin/python -m launch.bench_host_pool                     # ~10 s on 2 cores
-    .venv/bin/python -m launch.bench_host_pool --json runs/bench_host_pool.json
+    .venv/bin/python -m launch.bench.bench_host_pool                     # ~10 s on 2 cores
+    .venv/bin/python -m launch.bench.bench_host_pool --json runs/bench_host_pool.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 import sys
 from pathlib import Path
 
-from launch.harness import run_benchmark
+from launch.bench.harness import run_benchmark
 
 import torch
 from torch import nn
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host pool under changing shapes (EMULATED device, instant link, min_swap_bytes 0): "
           f"MLP LM {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; batch 1..{args.max_batch}, "
           f"seq 4..{args.max_seq} drawn every iteration (seed {args.seed})", flush=True)
-    run_benchmark("launch.bench_host_pool", argv, args, torch, run, lambda r: print(f"wall {r['wall_s']:.1f} s"),
+    run_benchmark("launch.bench.bench_host_pool", argv, args, torch, run, lambda r: print(f"wall {r['wall_s']:.1f} s"),
                   emulated=False, config=False)
     return 0
 

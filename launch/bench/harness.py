@@ -3,7 +3,7 @@ fields, and the frame of the results (header, config, wall time, JSON).
 
 The scripts are modules of the package ``launch`` (a namespace package: no ``__init__.py``) and run as
 ``python -m launch.<script>`` from the repository root, which ``-m`` puts on ``sys.path``; they import each
-other as ``from launch.harness import ...``, as the tests do (``from launch import bench_executor``; pytest's
+other as ``from launch.bench.harness import ...``, as the tests do (``from launch import bench_executor``; pytest's
 ``pythonpath`` option puts the root there). Nothing edits ``sys.path``.
 """
 
@@ -114,7 +114,7 @@ def machine(torch_module) -> dict:
 
 def header(module: str, argv: list[str], torch_module) -> dict:
     """The opening of a benchmark's results: the command that reproduces it (``module``: the script's module,
-    ``"launch.bench_executor"``, run with ``-m``), the date, the machine."""
+    ``"launch.bench.bench_executor"``, run with ``-m``), the date, the machine."""
     return {
         "command": shlex.join([".venv/bin/python", "-m", module, *argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),

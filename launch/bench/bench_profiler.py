@@ -20,8 +20,8 @@ machine, and the script predicts the large model's ratios from them too. No emul
 the warm-up rounds are moved to gc's permanent generation (``gc.freeze``) so that the collection before
 each timed iteration is cheap; the process is restored on return.
 
-    .venv/bin/python -m launch.bench_profiler --json runs/bench_profiler.json   # ~2 min on 2 cores
-    .venv/bin/python -m launch.bench_profiler --quick                           # seconds (smoke test)
+    .venv/bin/python -m launch.bench.bench_profiler --json runs/bench_profiler.json   # ~2 min on 2 cores
+    .venv/bin/python -m launch.bench.bench_profiler --quick                           # seconds (smoke test)
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from launch.harness import balanced_orders, quartiles, run_benchmark
-from launch.toy_gpt import GPT
+from launch.bench.harness import balanced_orders, quartiles, run_benchmark
+from launch.models.toy_gpt import GPT
 
 import torch
 from torch.nn import functional as F
@@ -284,7 +284,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return run_benchmark("launch.bench_profiler", argv, parse_args(argv), torch, _run, print_report, emulated=False)
+        return run_benchmark("launch.bench.bench_profiler", argv, parse_args(argv), torch, _run, print_report, emulated=False)
     finally:  # leave the calling process (a test run, say) as it was
         gc.unfreeze()
 

@@ -1,5 +1,5 @@
 """A small language model full of ops that are cheap to rebuild and costly to copy: RMSNorm + SwiGLU, then
-LayerNorm + GELU MLP, each with a residual (launch/bench_recompute.py, tests/test_recompute.py).
+LayerNorm + GELU MLP, each with a residual (launch/bench/bench_recompute.py, tests/test_recompute.py).
 
 ``checkpoint_layers=True`` recomputes whole layers in backward (``torch.utils.checkpoint``), the usual
 alternative to swapping that the benchmark compares against."""

@@ -40,8 +40,8 @@ the JSON says so. Attention runs flash attention's kernel on the GPU (``--attent
 that capacity with a fast emulated link; the others metered by an unbounded one), at a tiny shape, in
 seconds; the test suite runs it. Its times mean nothing; its bits and structure do.
 
-    .venv/bin/python -m launch.bench_gpu --json runs/bench_gpu.json   # on a GPU: ~2-4 min (time box 7 min)
-    .venv/bin/python -m launch.bench_gpu --dry-run                    # CPU, seconds
+    .venv/bin/python -m launch.bench.bench_gpu --json runs/bench_gpu.json   # on a GPU: ~2-4 min (time box 7 min)
+    .venv/bin/python -m launch.bench.bench_gpu --dry-run                    # CPU, seconds
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from launch.gpu_probes import measure_copy_rates
-from launch.harness import VariantSpec, config_of, rotated, run_benchmark
-from launch.saved_activations import SavedActivations
-from launch.toy_gpt import GPT
+from launch.bench.gpu_probes import measure_copy_rates
+from launch.bench.harness import VariantSpec, config_of, rotated, run_benchmark
+from launch.bench.saved_activations import SavedActivations
+from launch.models.toy_gpt import GPT
 
 import torch
 from torch.nn import functional as F
@@ -169,7 +169,7 @@ def batch_for(shape: Shape, args: argparse.Namespace, step: int) -> torch.Tensor
 
 
 def forward_checkpointed(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
-    """``GPT.forward`` (launch/toy_gpt.py) with every block under non-reentrant activation checkpointing."""
+    """``GPT.forward`` (launch/models/toy_gpt.py) with every block under non-reentrant activation checkpointing."""
     x = model.embed(tokens)
     if model.position is not None:
         x = x + model.position.weight[: tokens.shape[1]]
@@ -358,7 +358,7 @@ def build(args: argparse.Namespace, shape: Shape) -> tuple[dict[str, Variant], d
         from chameleon_dist.device.cuda import CudaDevice
 
         shared = CudaDevice()  # live and peak bytes of the whole GPU: every variant's are the same
-        link = {**measure_copy_rates(shared, args.link_probe_mib * MIB),  # (launch/gpu_probes.py: one measurement)
+        link = {**measure_copy_rates(shared, args.link_probe_mib * MIB),  # (launch/bench/gpu_probes.py: one measurement)
                 "source": f"pinned copies of {args.link_probe_mib} MiB"}
         meters = {spec.name: shared for spec in SPECS if spec.config is None}
     models = {spec.name: reference if spec.reference else copy.deepcopy(reference) for spec in SPECS}
@@ -633,7 +633,7 @@ def main(argv: list[str] | None = None) -> dict:
             return run(args, deadline_s)
 
     config = config_of(args, as_text=(Path, torch.device, torch.dtype))
-    return run_benchmark("launch.bench_gpu", argv, args, torch, run_within_settings, print_report, emulated=False,
+    return run_benchmark("launch.bench.bench_gpu", argv, args, torch, run_within_settings, print_report, emulated=False,
                          config=config)
 
 

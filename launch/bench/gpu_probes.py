@@ -15,8 +15,8 @@ each probe on the same code path over the emulated device in ``--dry-run`` (the 
 5. ``host_time_per_op``: Chameleon's added host time per op: the median host seconds of a Stable iteration with
    swap less the same iteration without Chameleon swapping, over the iteration's op count.
 
-    python -m launch.gpu_probes --json runs/gpu_probes.json            # CUDA: about a minute
-    python -m launch.gpu_probes --json /tmp/gpu_probes.json --dry-run  # CPU, emulated device, seconds
+    python -m launch.bench.gpu_probes --json runs/gpu_probes.json            # CUDA: about a minute
+    python -m launch.bench.gpu_probes --json /tmp/gpu_probes.json --dry-run  # CPU, emulated device, seconds
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.presets import PRESETS, get_preset
-from launch.gpu_probe_models import SideStreamNet, Tower, model_state
+from launch.models.gpu_probe_models import SideStreamNet, Tower, model_state
 
 MIB = 2**20
 DRY_PRESET = "h200"  # the GPU the check runs on; its figures drive the emulated device in the dry run

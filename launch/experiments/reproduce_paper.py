@@ -1,8 +1,8 @@
 """The planner's reproduction of the paper's comparison, and its validation against measurements.
 
-    .venv/bin/python -m launch.reproduce_paper                      # print the reproduction tables
-    .venv/bin/python -m launch.reproduce_paper --write              # ... and put them in docs/planner.md
-    .venv/bin/python -m launch.reproduce_paper --validate --write   # also measure: memory and time (CPU)
+    .venv/bin/python -m launch.experiments.reproduce_paper                      # print the reproduction tables
+    .venv/bin/python -m launch.experiments.reproduce_paper --write              # ... and put them in docs/planner.md
+    .venv/bin/python -m launch.experiments.reproduce_paper --validate --write   # also measure: memory and time (CPU)
 
 Reproduction: ``chameleon_dist.planner.reproduce`` (the same tables as ``chameleon-plan --reproduce``).
 
@@ -29,12 +29,12 @@ from chameleon_dist.config import read_mapping
 from chameleon_dist.config.shipped import DEFAULT_JOB
 from chameleon_dist.models import TransformerShape
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "planner.md"
 MARKERS = MappingProxyType({
     "reproduction": ("<!-- reproduction:begin -->", "<!-- reproduction:end -->"),
     "validation": ("<!-- validation:begin -->", "<!-- validation:end -->"),
-    "calibration": ("<!-- calibration:begin -->", "<!-- calibration:end -->"),  # (launch.planner_calibration)
+    "calibration": ("<!-- calibration:begin -->", "<!-- calibration:end -->"),  # (launch.experiments.planner_calibration)
 })
 RECOMPUTE_OVERRIDES = MappingProxyType({  # Megatron TransformerConfig fields
     "none": MappingProxyType({}),
@@ -237,12 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     print(tables)
     print(f"\n(reproduction computed in {time.perf_counter() - start:.1f} s)")
     if args.write:
-        write_section("reproduction", "Command: `.venv/bin/python -m launch.reproduce_paper --write` "
+        write_section("reproduction", "Command: `.venv/bin/python -m launch.experiments.reproduce_paper --write` "
                       "(or `.venv/bin/chameleon-plan --reproduce` to print them).\n\n" + tables)
     if args.validate:
         memory = memory_rows()
         timing, calibration = time_rows()
-        text = validation_markdown(memory, timing, calibration, ".venv/bin/python -m launch.reproduce_paper --validate --write")
+        text = validation_markdown(memory, timing, calibration, ".venv/bin/python -m launch.experiments.reproduce_paper --validate --write")
         print("\n" + text)
         if args.write:
             write_section("validation", text)

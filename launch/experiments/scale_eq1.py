@@ -34,7 +34,7 @@ from the true op times; each with the simulator's predicted stall, the simulator
 the true op times, and (``--no-measure`` skips it) the stall measured by running it for one iteration on a
 fresh runtime, whose WarmUp applies the controller's chosen policy.
 
-    .venv/bin/python -m launch.scale_eq1 --model llama2-7b --json runs/scale_eq1.json
+    .venv/bin/python -m launch.experiments.scale_eq1 --model llama2-7b --json runs/scale_eq1.json
 
 ``eq1_rows`` and ``policy_stalls`` take any trace and its op times (e.g. the Megatron benchmark's).
 """
@@ -62,7 +62,7 @@ from chameleon_dist.policy.layers import op_times_s as spread
 from chameleon_dist.policy.simulator import Planned, simulate
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
-from launch.scale_runs import HOST_OP_S
+from launch.experiments.scale_runs import HOST_OP_S
 
 MIN_SWAP_BYTES = 2**20
 NEVER_SWAP_BYTES = 2**60  # the profiled iteration's min_swap_bytes: nothing is swapped

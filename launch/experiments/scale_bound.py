@@ -1,4 +1,4 @@
-"""The host link's physical bound at a shape, from the emulated device's own roofline (``launch/bench_scale.py``).
+"""The host link's physical bound at a shape, from the emulated device's own roofline (``launch/experiments/bench_scale.py``).
 
 A swap can hide behind compute only while the forward pass still runs: the most a policy can take off the device
 without stalling is what the device-to-host link moves during the forward. From the reference run (no swap, no

@@ -16,8 +16,8 @@ generate policies for a Llama2-7B-shaped trace.
     the policies it returned, trials dropped as duplicates included; median of repeats), and the best
     policy's feasibility, predicted peak, stall and swapped bytes. The trace build time is reported apart.
 
-    .venv/bin/python -m launch.bench_policy --json runs/bench_policy.json   # ~70 s on 2 cores
-    .venv/bin/python -m launch.bench_policy --small                         # seconds (smoke test)
+    .venv/bin/python -m launch.bench.bench_policy --json runs/bench_policy.json   # ~70 s on 2 cores
+    .venv/bin/python -m launch.bench.bench_policy --small                         # seconds (smoke test)
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from launch.harness import config_of, run_benchmark
-from launch.toy_gpt import GPT, MoEFeedForward
+from launch.bench.harness import config_of, run_benchmark
+from launch.models.toy_gpt import GPT, MoEFeedForward
 
 import torch
 from torch import nn
@@ -292,7 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    return run_benchmark("launch.bench_policy", argv, args, torch, run, print_report, emulated=False,
+    return run_benchmark("launch.bench.bench_policy", argv, args, torch, run, print_report, emulated=False,
                          config=config_of(args, skip=("llama_shape",)))
 
 

@@ -9,9 +9,9 @@ same roofline) with Chameleon's achieved share over it; beside each, the planner
 (``planner.single_device``) and its error. ``--find-limit`` bisects for the smallest budget at which Chameleon
 swap-only stays within ``LIMIT_RATIO`` of the reference. Every figure is simulated (emulated device, meta tensors).
 
-    python -m launch.bench_scale --model llama2-7b --preset h100-pcie --budgets 0.9,0.8,0.7 --find-limit \\
+    python -m launch.experiments.bench_scale --model llama2-7b --preset h100-pcie --budgets 0.9,0.8,0.7 --find-limit \\
         --json runs/scale_llama2-7b_h100-pcie.json
-    python -m launch.bench_scale --quick    # CI: 2 layers, a short sequence (checks the script, not the figures)
+    python -m launch.experiments.bench_scale --quick    # CI: 2 layers, a short sequence (checks the script, not the figures)
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import logging
 import sys
 from pathlib import Path
 
-from launch.scale_bound import link_bound
-from launch.scale_report import markdown, planner_predictions, plot, targets
-from launch.scale_runs import CASES, VARIANTS, Case, VariantRun, model_state_bytes, run_variant, settings_of
+from launch.experiments.scale_bound import link_bound
+from launch.experiments.scale_report import markdown, planner_predictions, plot, targets
+from launch.experiments.scale_runs import CASES, VARIANTS, Case, VariantRun, model_state_bytes, run_variant, settings_of
 
 logger = logging.getLogger("bench_scale")
 
@@ -54,7 +54,7 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m launch.bench_scale", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launch.experiments.bench_scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama2-7b", help=f"one of {', '.join(CASES)}")
     parser.add_argument("--preset", default="h100-pcie", help="the emulated accelerator (device.preset)")
     parser.add_argument("--budgets", default="0.9,0.8,0.7,0.6", help="fractions of the unswapped peak, in (0, 1]")

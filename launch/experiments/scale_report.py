@@ -1,4 +1,4 @@
-"""The output of ``launch/bench_scale.py``: the planner's predictions beside the simulated rows, the targets'
+"""The output of ``launch/experiments/bench_scale.py``: the planner's predictions beside the simulated rows, the targets'
 arithmetic, the markdown table and the plot. Every figure is simulated (emulated device, meta tensors) or predicted
 (the planner's cost model)."""
 
@@ -33,7 +33,7 @@ def planner_predictions(case, args, reference, budgets: list[int], hardware=None
     Adam); the simulated rank holds bf16 weights and the bf16 gradients backward makes. So the planner is given the
     budget's room for activations (``budget - simulated weights and gradients + planner's static bytes``), and its
     peak is reported as ``simulated weights and gradients + (predicted peak - predicted static)``. ``hardware``: the
-    profile to predict with (None: the preset's at ``PREDICTION_EFFICIENCY``; ``launch/planner_calibration.py``
+    profile to predict with (None: the preset's at ``PREDICTION_EFFICIENCY``; ``launch/experiments/planner_calibration.py``
     passes a calibrated one); ``optimizer_s`` is the planner's optimizer term inside ``iteration_s``."""
     from chameleon_dist.planner.profiles import load_model
     from chameleon_dist.planner.single_device import predict_single_device

@@ -5,7 +5,7 @@ the baseline executor (swap every eligible tensor, bring it back on demand) and 
 Every variant trains its own copy of one plain-PyTorch GPT (identical initialisation, the same batches,
 plain SGD) on its own ``EmulatedDevice`` built from ``--preset`` at the preset's real link rate, with
 ``--host-op-s`` host seconds per op (default 2e-5: every run repeats exactly; ``measured``: the host's own
-time). See launch/device_clock.py for what every figure means; all are emulated device-clock figures.
+time). See launch/bench/device_clock.py for what every figure means; all are emulated device-clock figures.
 
 1. unconstrained: ``enabled: false`` (metering and the cheap signature only, nothing swapped), capacity
    unbounded: the reference time.
@@ -38,13 +38,13 @@ iteration and their share of the saved activation bytes next to the physical bou
 could move in the forward's compute shadow), peak device memory. Losses of every step and the final
 parameters are compared with ``torch.equal`` to the unconstrained run's.
 
-    .venv/bin/python -m launch.bench_executor --json runs/bench_executor.json   # a few minutes on 2 cores
-    .venv/bin/python -m launch.bench_executor --host-op-s measured              # the host's measured time
-    .venv/bin/python -m launch.bench_executor --small                           # seconds (smoke test)
-    .venv/bin/python -m launch.bench_executor --shape llm-like                  # wider layers (see SHAPES)
+    .venv/bin/python -m launch.bench.bench_executor --json runs/bench_executor.json   # a few minutes on 2 cores
+    .venv/bin/python -m launch.bench.bench_executor --host-op-s measured              # the host's measured time
+    .venv/bin/python -m launch.bench.bench_executor --small                           # seconds (smoke test)
+    .venv/bin/python -m launch.bench.bench_executor --shape llm-like                  # wider layers (see SHAPES)
 
-The variants, the unswapped measurement, the capacity and the summary are launch/swap_variants.py's, which
-launch/bench_sweep.py (this benchmark over hide-shares and links) and launch/bench_dynamic.py use too.
+The variants, the unswapped measurement, the capacity and the summary are launch/bench/swap_variants.py's, which
+launch/bench/bench_sweep.py (this benchmark over hide-shares and links) and launch/bench/bench_dynamic.py use too.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ import sys
 import time
 from pathlib import Path
 
-from launch.device_clock import (
+from launch.bench.device_clock import (
     add_device_arguments, device_figures, host_bound_label, make_device, print_device,
 )
-from launch.harness import VariantSpec, run_benchmark
-from launch.swap_variants import (
+from launch.bench.harness import VariantSpec, run_benchmark
+from launch.bench.swap_variants import (
     MIB, REDUCTION_CAP, SAVE_ON_CPU_LABEL, SHAPES, Variant, add_model_arguments, add_moved_shares, apply_shape,
     baseline_config, chameleon_config, host_batch, link_figures, measure_swap_floor_bytes, measure_unswapped,
     model_flop, plan_capacity, summarize,
@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return run_benchmark("launch.bench_executor", argv, parse_args(argv), torch, run, print_report)
+    return run_benchmark("launch.bench.bench_executor", argv, parse_args(argv), torch, run, print_report)
 
 
 if __name__ == "__main__":

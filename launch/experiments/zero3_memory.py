@@ -2,8 +2,8 @@
 under ``deepspeed.zero.Init`` and whose gathered weights DeepSpeed frees after each module's forward
 (``stage3_max_reuse_distance: 0``, no prefetch). Start it with torchrun::
 
-    torchrun --nproc-per-node 2 -m launch.zero3_memory --mode on --report zero3-on.json
-    torchrun --nproc-per-node 2 -m launch.zero3_memory --mode off --report zero3-off.json
+    torchrun --nproc-per-node 2 -m launch.experiments.zero3_memory --mode on --report zero3-on.json
+    torchrun --nproc-per-node 2 -m launch.experiments.zero3_memory --mode off --report zero3-off.json
 
 ``--mode off`` installs the runtime measuring only (no saved-tensor hooks: DeepSpeed's own memory behaviour,
 metered by the emulated device); ``on`` swaps as the config says; ``plain`` runs DeepSpeed without any runtime

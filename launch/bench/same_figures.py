@@ -1,6 +1,6 @@
 """Do two runs of a launch/ benchmark report the same figures? (Runs with a fixed ``--host-op-s`` must.)
 
-    python -m launch.same_figures runs/a.json runs/b.json
+    python -m launch.bench.same_figures runs/a.json runs/b.json
 
 Compares the two JSON results value by value, exactly (floats too), leaving out what differs between any
 two runs by design: the date, the machine block (load average), wall-clock times (every ``wall_s``, and

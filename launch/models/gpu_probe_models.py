@@ -1,4 +1,4 @@
-"""The models of ``launch/gpu_probes.py``, written against the device backend's stream calls (``new_stream``,
+"""The models of ``launch/bench/gpu_probes.py``, written against the device backend's stream calls (``new_stream``,
 ``use_stream``, ``record_stream``, ``wait_stream``), so the same model runs on a GPU's streams and on the emulated
 device's.
 
