@@ -1,0 +1,14 @@
+"""Old path of ``launch.experiments.scale_runs``: an alias kept for one release after issue 38 (launch/ in rooms).
+
+``python -m launch.scale_runs ...`` runs the new module as it ran before, and ``import launch.scale_runs`` gives the
+new module itself. Use ``launch.experiments.scale_runs``: this file goes in the next release.
+"""
+
+import importlib
+import runpy
+import sys
+
+if __name__ == "__main__":
+    runpy.run_module("launch.experiments.scale_runs", run_name="__main__", alter_sys=True)
+else:
+    sys.modules[__name__] = importlib.import_module("launch.experiments.scale_runs")
