@@ -10,14 +10,7 @@ host work of a swap-everything WarmUp among them (its layer times leave out the 
 (``SimulatedBackend.op_times_s``) gives each op's kernel seconds on the device clock: the roofline cost
 ``device/cost.py`` charges, 0.0 for ops that launch no kernel. ``T_iter`` is their sum.
 
-How the observer's ops line up with the trace's: the observer hears every op that reaches the backend, in
-order; the recorder (``profiler/recorder.py``) numbers the ops it sees, i.e. the same ops except those run
-while ``TrainingScope`` is paused (the swap executor's and the saved-tensor hooks' own: detach, host buffers,
-copies). ``profile_iteration`` notes ``scope.paused`` at each of the observer's ops and keeps the others: they
-are the trace's ops, one to one and in order (a test checks the names, with and without swapping). Ops the
-backend runs on the host side append 0.0, so a recorded one of those has its entry too. The recorder also
-drops ``profiler::`` markers (``record_function``); a closure that runs them makes the counts differ, and
-``profile_iteration`` raises rather than misalign.
+How the observer's ops line up with the trace's: ``launch/experiments/op_times.py``.
 
 Per G (default 1, L/2, L, 2L, 4L for L transformer layers), the iteration's ops are cut into G consecutive
 groups of (nearly) equal op counts, and a last row uses the generator's own cut (``logical_layers``). Per
@@ -53,7 +46,6 @@ import torch
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.simulated.backend import SimulatedBackend
 from chameleon_dist.models.llama import LlamaShape, build_llama
 from chameleon_dist.planner.profiles import load_model
 from chameleon_dist.policy import Decision, PolicySettings, calibrated_group_times_s, generate_policies, logical_layers
@@ -62,44 +54,12 @@ from chameleon_dist.policy.layers import op_times_s as spread
 from chameleon_dist.policy.simulator import Planned, simulate
 from chameleon_dist.trace.step_trace import StepTrace
 from chameleon_dist.units import format_bytes
-from launch.experiments.scale_runs import HOST_OP_S
+from launch.experiments.op_times import profile_iteration  # noqa: F401  (scale_eq1.profile_iteration, as before)
+from launch.experiments.scale_runs import HOST_OP_S, Case, profiled_iteration
 
 MIN_SWAP_BYTES = 2**20
 NEVER_SWAP_BYTES = 2**60  # the profiled iteration's min_swap_bytes: nothing is swapped
 CAPACITY_BYTES = 2**40
-
-
-class _TaggedOpTimes(list):
-    """``SimulatedBackend.op_times_s`` that notes, per op, whether the profiler recorded it."""
-
-    def __init__(self, scope) -> None:
-        super().__init__()
-        self.scope = scope
-        self.recorded: list[bool] = []
-
-    def append(self, seconds: float) -> None:
-        super().append(seconds)
-        self.recorded.append(not self.scope.paused)
-
-
-def profile_iteration(runtime: Chameleon, closure: Callable[[], object]) -> tuple[StepTrace, list[float]]:
-    """Run ``closure`` as one profiled (WarmUp) iteration of ``runtime`` on an emulated device; return the
-    trace and each of its ops' kernel seconds (module docstring: how the two line up)."""
-    backend = getattr(runtime.device, "backend", None)
-    if not isinstance(backend, SimulatedBackend):
-        raise ValueError("profile_iteration needs an EmulatedDevice (the per-op times come from its backend)")
-    times = backend.op_times_s = _TaggedOpTimes(runtime.profiler.scope)
-    try:
-        runtime.run_iteration(closure)
-    finally:
-        backend.op_times_s = None
-    trace, report = runtime.last_trace, runtime.last_report
-    if trace is None or trace.iteration != report.iteration or report.oom_retries:
-        raise ValueError("the iteration was not one profiled attempt (a runtime past WarmUp, or an OOM retry)")
-    op_times_s = [t for t, recorded in zip(times, times.recorded) if recorded]
-    if len(op_times_s) != len(trace.ops):
-        raise ValueError(f"{len(op_times_s)} recorded op times for {len(trace.ops)} trace ops")
-    return trace, op_times_s
 
 
 def _layers(trace: StepTrace) -> int:
@@ -153,6 +113,13 @@ def eq1_rows(trace: StepTrace, op_times_s: list[float], group_counts: list[int] 
     rows.append(_row(f"logical layers ({rule})", [(x.start, x.end) for x in groups], op_times_s, eq1_s,
                      calibrated_s))
     return rows
+
+
+def megatron_eq1(case: Case, *, preset: str, seq_length: int, micro_batches: int) -> list[dict]:
+    """Eq. 1 against each op's simulated time (``eq1_rows``) for one profiled iteration of
+    ``case`` through Megatron's schedule, nothing swapped (inside a ``megatron_meta_session``)."""
+    trace, op_times_s = profiled_iteration(case, preset=preset, seq_length=seq_length, micro_batches=micro_batches)
+    return eq1_rows(trace, op_times_s)
 
 
 def _true_stall_s(trace: StepTrace, policy, op_times_s: list[float], settings: PolicySettings) -> float:

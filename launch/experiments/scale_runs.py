@@ -20,6 +20,7 @@ import torch
 
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.planner.profiles import load_model
+from launch.experiments.op_times import profile_iteration
 from launch.experiments.scale_bound import SavedBytesByLayer
 
 logger = logging.getLogger(__name__)
@@ -205,9 +206,8 @@ def run_variant(case: Case, variant: str, budget_bytes: int | None, *, preset: s
 def profiled_iteration(case: Case, *, preset: str, seq_length: int, micro_batches: int, micro_batch_size: int = 1):
     """``(trace, op_times_s)`` of one profiled iteration of ``case`` through Megatron's schedule on an unbounded
     device, nothing swapped and nothing recomputed: each trace op's kernel seconds on the device clock
-    (``launch.experiments.scale_eq1.profile_iteration``). Inside a ``megatron_meta_session``."""
+    (``launch.experiments.op_times.profile_iteration``). Inside a ``megatron_meta_session``."""
     from chameleon_dist.integrations.megatron.install import install
-    from launch.experiments.scale_eq1 import profile_iteration
 
     model = _build(case, seq_length, micro_batch_size)
     device = EmulatedDevice(UNBOUNDED_BYTES, preset=preset, host_op_s=HOST_OP_S, meta_tensors=True)
@@ -218,12 +218,3 @@ def profiled_iteration(case: Case, *, preset: str, seq_length: int, micro_batche
         return profile_iteration(integration.runtime, step)
     finally:
         integration.close()
-
-
-def megatron_eq1(case: Case, *, preset: str, seq_length: int, micro_batches: int) -> list[dict]:
-    """Eq. 1 against each op's simulated time (``launch.experiments.scale_eq1.eq1_rows``) for one profiled iteration of
-    ``case`` through Megatron's schedule, nothing swapped (inside a ``megatron_meta_session``)."""
-    from launch.experiments.scale_eq1 import eq1_rows
-
-    trace, op_times_s = profiled_iteration(case, preset=preset, seq_length=seq_length, micro_batches=micro_batches)
-    return eq1_rows(trace, op_times_s)
