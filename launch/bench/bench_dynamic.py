@@ -294,6 +294,43 @@ def first_plan_end(stages: list[str]) -> int:
     return i
 
 
+def _measure(case: Case, args: argparse.Namespace, device) -> tuple[CaseVariant, list[int]]:
+    """The untimed plain measurement pass on an unbounded device (peaks, saved bytes, idle experts per
+    iteration); its variant and the idle experts."""
+    measure = CaseVariant(VariantSpec("measure", {"enabled": False}), case, args, device(UNBOUNDED_CAPACITY_BYTES))
+    measure.note_saved = True
+    if isinstance(measure.model, MixtralLM):
+        measure.model.count_routing()  # (the measurement pass only: the timed variants run without the hooks)
+    idle = []
+    for i in range(args.iterations):
+        measure.step(case.batch(args, i))
+        idle.append(measure.idle_experts())
+    return measure, idle
+
+
+def _interleave(case: Case, args: argparse.Namespace, plain: CaseVariant, cham: CaseVariant,
+                idle: list[int]) -> dict | None:
+    """The plain loop and chameleon, interleaved (alternating order); None, or where chameleon failed."""
+    for i in range(args.iterations):
+        batch = case.batch(args, i)
+        try:
+            for variant in (plain, cham) if i % 2 == 0 else (cham, plain):
+                variant.step(batch)
+        except torch.OutOfMemoryError as exc:  # the runtime gave up: report it, keep what ran before
+            failure = {"iteration": i, "stage": getattr(cham.chameleon.last_report, "stage", ""),
+                       "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+            logger.warning("%s: chameleon failed in iteration %d: %s", case.name, i, failure["error"])
+            return failure
+        c = cham.records[-1]
+        (logger.info if args.verbose else logger.debug)(
+            "%s %3d seq %d idle %2d | plain %.3f s | chameleon %.3f s %s%s out %.2f MiB peak %.2f MiB%s%s",
+            case.name, i, case.seq_lengths[i], idle[i], plain.records[-1]["iteration_s"], c["iteration_s"], c["stage"],
+            "/" + c["policy"] if c["policy"] else "", c["swap_out_bytes"] / MIB, c["peak_bytes"] / MIB,
+            f" passive {c['passive_swaps']}" if c["passive_swaps"] else "",
+            f" -> {c['stage_transition']}" if c["stage_transition"] else "")
+    return None
+
+
 def run_case(case: Case, args: argparse.Namespace) -> dict:
     """The case's unswapped peak, saved bytes and forward device times (an untimed plain pass), then the plain
     loop and chameleon interleaved."""
@@ -302,20 +339,10 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
         # --instant-link: copies take no time, what is left is the runtime's own cost
         return make_device(args, capacity, instant_link=args.instant_link)
 
-    n = args.iterations
     start_s = time.perf_counter()
-    measure = CaseVariant(VariantSpec("measure", {"enabled": False}), case, args, device(UNBOUNDED_CAPACITY_BYTES))
-    measure.note_saved = True
-    if isinstance(measure.model, MixtralLM):
-        measure.model.count_routing()  # (the measurement pass only: the timed variants run without the hooks)
-    idle = []
-    for i in range(n):
-        measure.step(case.batch(args, i))
-        idle.append(measure.idle_experts())
+    measure, idle = _measure(case, args, device)
     peaks = [r["peak_bytes"] for r in measure.records]
-    unswapped_peak = max(peaks)
-    saved_bytes = [r["saved_bytes"] for r in measure.records]
-    capacity_bytes = int(args.capacity_fraction * unswapped_peak)
+    capacity_bytes = int(args.capacity_fraction * max(peaks))
     measure_s = time.perf_counter() - start_s
 
     config: dict = {"min_swap_bytes": args.min_swap_bytes}
@@ -326,37 +353,14 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
     plain.time_forward = True
     cham = CaseVariant(VariantSpec("chameleon", config), case, args, device(capacity_bytes))
     start_s = time.perf_counter()
-    failure = None
-    for i in range(n):
-        batch = case.batch(args, i)
-        try:
-            for variant in (plain, cham) if i % 2 == 0 else (cham, plain):
-                variant.step(batch)
-        except torch.OutOfMemoryError as exc:  # the runtime gave up: report it, keep what ran before
-            failure = {"iteration": i, "stage": getattr(cham.chameleon.last_report, "stage", ""),
-                       "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
-            logger.warning("%s: chameleon failed in iteration %d: %s", case.name, i, failure["error"])
-            break
-        c = cham.records[-1]
-        (logger.info if args.verbose else logger.debug)(
-            "%s %3d seq %d idle %2d | plain %.3f s | chameleon %.3f s %s%s out %.2f MiB peak %.2f MiB%s%s",
-            case.name, i, case.seq_lengths[i], idle[i], plain.records[-1]["iteration_s"], c["iteration_s"], c["stage"],
-            "/" + c["policy"] if c["policy"] else "", c["swap_out_bytes"] / MIB, c["peak_bytes"] / MIB,
-            f" passive {c['passive_swaps']}" if c["passive_swaps"] else "",
-            f" -> {c['stage_transition']}" if c["stage_transition"] else "")
+    failure = _interleave(case, args, plain, cham, idle)
     rounds_s = time.perf_counter() - start_s
+    return {**_case_result(case, args, measure, plain, cham, idle, capacity_bytes, failure),
+            "wall_s": {"measurement": measure_s, "interleaved": rounds_s}}
 
-    done = len(cham.records)  # n, or the iteration in which chameleon failed
-    # the physical bound per iteration: the plain loop's forward device time, the measurement pass's saved bytes
-    d2h_bytes_per_s = plain.device.d2h_bytes_per_s
-    bounds = [physical_bound(d2h_bytes_per_s, r["forward_busy_s"], b) for r, b in zip(plain.records, saved_bytes)]
-    gap_bounds = [physical_bound(d2h_bytes_per_s, r["forward_elapsed_s"], b) for r, b in zip(plain.records, saved_bytes)]
-    stages = [r["stage"] for r in cham.records]
-    begin = first_plan_end(stages)
-    after = range(begin, done)
-    stable = [i for i in after if stages[i] == "stable"]
-    ratios = [cham.records[i]["iteration_s"] / plain.records[i]["iteration_s"] for i in range(done)]
-    transitions = [(i, r["stage_transition"]) for i, r in enumerate(cham.records) if r["stage_transition"]]
+
+def _identity(measure: CaseVariant, plain: CaseVariant, cham: CaseVariant, failure: dict | None) -> dict:
+    """Chameleon's losses and final parameters against the plain loop's, and the measurement pass's."""
     ref_params = list(plain.model.parameters())
     losses_equal = sum(torch.equal(a, b) for a, b in zip(cham.losses, plain.losses))
     params_equal = sum(torch.equal(a.detach(), b.detach()) for a, b in zip(ref_params, cham.model.parameters()))
@@ -364,10 +368,43 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
     measure_equal = (all(torch.equal(a, b) for a, b in zip(measure.losses, plain.losses))
                      and (failure is not None or all(torch.equal(a.detach(), b.detach())
                                                      for a, b in zip(measure.model.parameters(), ref_params))))
+    return {
+        "losses_equal": losses_equal,
+        "losses_compared": min(len(plain.losses), len(cham.losses)),
+        "parameters_equal": None if failure else params_equal,
+        "parameters_compared": 0 if failure else len(ref_params),
+        # None when chameleon failed: the losses before are compared, the final parameters cannot be
+        "bit_identical": None if failure else identical,
+        "measurement_pass_identical": measure_equal,
+    }
+
+
+def _iteration_rows(case: Case, plain: CaseVariant, cham: CaseVariant) -> list[dict]:
+    """One row per chameleon iteration, beside the plain loop's time."""
+    return [{"iteration": i, "seq": case.seq_lengths[i], "stage": r["stage"],
+             "policy": r["policy"],
+             "iteration_s": r["iteration_s"], "plain_s": plain.records[i]["iteration_s"],
+             "stall_s": r["stall_s"], "host_bound_share": r["host_bound_share"],
+             "device_ops": r["device_ops"], "peak_mib": r["peak_bytes"] / MIB,
+             "swap_out_mib": r["swap_out_bytes"] / MIB, "passive_swaps": r["passive_swaps"],
+             "oom_retries": r["oom_retries"], "unmatched": r["unmatched"],
+             "matched_fuzzy": r["matched_fuzzy"], "sequence_changed": r["sequence_changed"],
+             "sequence_differs": r["sequence_differs"], "num_ops": r["num_ops"],
+             "stage_transition": r["stage_transition"]}
+            for i, r in enumerate(cham.records)]
+
+
+def _case_result(case: Case, args: argparse.Namespace, measure: CaseVariant, plain: CaseVariant, cham: CaseVariant,
+                 idle: list[int], capacity_bytes: int, failure: dict | None) -> dict:
+    """The case's figures (but its wall times) from the three variants' records."""
+    peaks = [r["peak_bytes"] for r in measure.records]
+    saved_bytes = [r["saved_bytes"] for r in measure.records]
     moes = moe_layers(plain.model)
+    stages = [r["stage"] for r in cham.records]
+    begin = first_plan_end(stages)
     return {
         "description": case.description,
-        "iterations": n,
+        "iterations": args.iterations,
         "failed": failure,  # None, or the iteration in which chameleon raised (the case stopped there)
         "seq_lengths": list(case.seq_lengths),
         "model": {"parameters": sum(p.numel() for p in plain.model.parameters()),
@@ -375,12 +412,32 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
                   "moe_layers": moes, "experts": case.experts},
         "idle_experts": idle if moes else None,
         "iterations_with_idle_experts": sum(x > 0 for x in idle) if moes else None,
-        "unswapped_peak_bytes": unswapped_peak,
+        "unswapped_peak_bytes": max(peaks),
         "unswapped_peaks_mib": [b / MIB for b in peaks],
         "capacity_bytes": capacity_bytes,
         "plain_peaks_match_measurement": [r["peak_bytes"] for r in plain.records] == peaks[:len(plain.records)],
         "first_plan_end": begin,
         "stages": {s: stages.count(s) for s in sorted(set(stages))},
+        **_stable_figures(plain, cham, saved_bytes, begin, capacity_bytes),
+        **_identity(measure, plain, cham, failure),
+        "chameleon_iterations": _iteration_rows(case, plain, cham),
+    }
+
+
+def _stable_figures(plain: CaseVariant, cham: CaseVariant, saved_bytes: list[int], begin: int,
+                    capacity_bytes: int) -> dict:
+    """Ratios, stalls, bounds, swaps and transitions: medians over Stable iterations (after the first plan)."""
+    done = len(cham.records)  # n, or the iteration in which chameleon failed
+    # the physical bound per iteration: the plain loop's forward device time, the measurement pass's saved bytes
+    d2h_bytes_per_s = plain.device.d2h_bytes_per_s
+    bounds = [physical_bound(d2h_bytes_per_s, r["forward_busy_s"], b) for r, b in zip(plain.records, saved_bytes)]
+    gap_bounds = [physical_bound(d2h_bytes_per_s, r["forward_elapsed_s"], b) for r, b in zip(plain.records, saved_bytes)]
+    stages = [r["stage"] for r in cham.records]
+    after = range(begin, done)
+    stable = [i for i in after if stages[i] == "stable"]
+    ratios = [cham.records[i]["iteration_s"] / plain.records[i]["iteration_s"] for i in range(done)]
+    transitions = [(i, r["stage_transition"]) for i, r in enumerate(cham.records) if r["stage_transition"]]
+    return {
         "stable_iterations": len(stable),
         "stable_share": len(stable) / len(after) if after else None,
         "ratio": statistics.median(ratios[i] for i in stable) if stable else None,
@@ -419,25 +476,6 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
                             for name in sorted({cham.records[i]["policy"] for i in stable})},
         "sequence_changed": sum(r["sequence_changed"] for r in cham.records),
         "sequence_differs": sum(r["sequence_differs"] for r in cham.records),
-        "losses_equal": losses_equal,
-        "losses_compared": min(len(plain.losses), len(cham.losses)),
-        "parameters_equal": None if failure else params_equal,
-        "parameters_compared": 0 if failure else len(ref_params),
-        # None when chameleon failed: the losses before are compared, the final parameters cannot be
-        "bit_identical": None if failure else identical,
-        "measurement_pass_identical": measure_equal,
-        "chameleon_iterations": [{"iteration": i, "seq": case.seq_lengths[i], "stage": r["stage"],
-                                  "policy": r["policy"],
-                                  "iteration_s": r["iteration_s"], "plain_s": plain.records[i]["iteration_s"],
-                                  "stall_s": r["stall_s"], "host_bound_share": r["host_bound_share"],
-                                  "device_ops": r["device_ops"], "peak_mib": r["peak_bytes"] / MIB,
-                                  "swap_out_mib": r["swap_out_bytes"] / MIB, "passive_swaps": r["passive_swaps"],
-                                  "oom_retries": r["oom_retries"], "unmatched": r["unmatched"],
-                                  "matched_fuzzy": r["matched_fuzzy"], "sequence_changed": r["sequence_changed"],
-                                  "sequence_differs": r["sequence_differs"], "num_ops": r["num_ops"],
-                                  "stage_transition": r["stage_transition"]}
-                                 for i, r in enumerate(cham.records)],
-        "wall_s": {"measurement": measure_s, "interleaved": rounds_s},
     }
 
 

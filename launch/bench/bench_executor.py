@@ -98,6 +98,34 @@ def run(args: argparse.Namespace) -> dict:
         "save_on_cpu": Variant(VariantSpec("save_on_cpu", saving="save_on_cpu"), args, device(UNBOUNDED_CAPACITY_BYTES)),
     }
     cham = variants["chameleon"].chameleon
+    rounds = _play_rounds(args, variants)
+    timed = range(rounds["warmup"], rounds["warmup"] + args.rounds)
+    summary = summarize(variants, timed)
+    add_moved_shares(summary, link["saved_activation_bytes"], link["physical_bound"])
+    trials = [{"policy": t.policy.name, "iteration_s": t.iteration_s, "peak_mib": t.peak_bytes / MIB, "held": t.held}
+              for t in cham.controller.results]
+    return {
+        "device": device_figures(args),
+        "link": link,
+        "model": _model_figures(args, variants, unswapped, link, plan, capacity_bytes, floor_bytes),
+        "chameleon_policy": _policy_figures(cham),
+        "trials": trials,
+        "chameleon_rounds": [{"round": i, "stage": x["stage"], "policy": x["policy"], "iteration_s": x["iteration_s"],
+                              "stall_s": x["stall_s"], "peak_mib": x["peak_bytes"] / MIB,
+                              "swap_out_mib": x["swap_out_bytes"] / MIB, "passive_swaps": x["passive_swaps"],
+                              "oom_retries": x["oom_retries"], "on_demand_fetches": x["on_demand_fetches"]}
+                             for i, x in enumerate(variants["chameleon"].records)],
+        "min_swap_bytes_after": {n: variants[n].chameleon.executor.min_swap_bytes for n in ("chameleon", "baseline")},
+        "variants": summary,
+        "checks": _checks(summary, timed, rounds.pop("stage_when_timing_began"), capacity_bytes),
+        "rounds": rounds,
+    }
+
+
+def _play_rounds(args: argparse.Namespace, variants: dict[str, Variant]) -> dict:
+    """The untimed then the timed rounds, each variant once a round in Williams-balanced order; the rounds'
+    record (counts, the first orders, wall time) and the stage chameleon was in when timing began."""
+    cham = variants["chameleon"].chameleon
     # untimed rounds: at least --warmup-rounds and all of chameleon's WarmUp + GenPolicy iterations; then more
     # (up to as many again) while chameleon is not yet in Stable (a trial's passive swap restarts WarmUp)
     warm_rounds = max(args.warmup_rounds, cham.config.profiler.warmup_iterations + args.policy_trials)
@@ -125,14 +153,14 @@ def run(args: argparse.Namespace) -> dict:
     for r in range(warm_rounds, rounds):
         play(r)
     rounds_s = time.perf_counter() - start_s
-    timed = range(warm_rounds, rounds)
-    summary = summarize(variants, timed)
-    add_moved_shares(summary, link["saved_activation_bytes"], link["physical_bound"])
-    trials = [{"policy": t.policy.name, "iteration_s": t.iteration_s, "peak_mib": t.peak_bytes / MIB, "held": t.held}
-              for t in cham.controller.results]
-    chosen = cham.controller.chosen
+    return {"warmup": warm_rounds, "warmup_planned": planned_warm_rounds, "timed": args.rounds, "orders": order_log[:4],
+            "wall_s": rounds_s, "stage_when_timing_began": ready_stage}
+
+
+def _checks(summary: dict, timed: range, ready_stage: str, capacity_bytes: int) -> dict:
+    """Issue 5's targets for chameleon, and bit-identity of every variant."""
     c = summary["chameleon"]
-    checks = {
+    return {
         "chameleon_stable_throughout": c["stages"] == {"stable": len(timed)} and bool(c["policies"])
         and c["passive_swaps"] == 0 and c["oom_retries"] == 0,
         "stage_when_timing_began": ready_stage,
@@ -141,11 +169,26 @@ def run(args: argparse.Namespace) -> dict:
         "chameleon_peak_within_capacity": c["peak_mib"] * MIB <= capacity_bytes,
         "all_bit_identical": all(summary[n]["bit_identical"] for n in VARIANTS),
     }
+
+
+def _policy_figures(cham) -> dict | None:
+    """The policy chameleon chose (None: none), with its predictions and what it swaps and recomputes."""
+    chosen = cham.controller.chosen
+    return None if chosen is None else {
+            "name": chosen.name, "feasible": chosen.feasible, "predicted_peak_mib": chosen.predicted_peak_bytes / MIB,
+            "predicted_stall_s": chosen.predicted_stall_s, "predicted_iteration_s": chosen.predicted_iteration_s,
+            "swap_mib": chosen.saved_bytes(Decision.SWAP) / MIB, "swapped_storages": sum(e.decision == Decision.SWAP for e in chosen.entries),
+            "recompute_mib": chosen.saved_bytes(Decision.RECOMPUTE) / MIB,
+            "recomputed_storages": sum(e.decision == Decision.RECOMPUTE for e in chosen.entries),
+            "version": cham.controller.version}
+
+
+def _model_figures(args: argparse.Namespace, variants: dict[str, Variant], unswapped: dict, link: dict, plan: dict,
+                   capacity_bytes: int, floor_bytes: int) -> dict:
+    """The model, its unswapped peak, the capacity and how it was chosen, and what the link moves."""
+    link_in_forward_bytes = link["link_bytes_in_forward"]
     flop = model_flop(args)
-    return {
-        "device": device_figures(args),
-        "link": link,
-        "model": {"parameters": sum(p.numel() for p in variants["unconstrained"].model.parameters()),
+    return {"parameters": sum(p.numel() for p in variants["unconstrained"].model.parameters()),
                   "parameter_bytes": unswapped["parameter_bytes"], "unswapped_peak_bytes": unswapped["peak_bytes"],
                   "capacity_bytes": capacity_bytes, "capacity_fraction": capacity_bytes / unswapped["peak_bytes"],
                   "capacity_rule": (f"--capacity-fraction {args.capacity_fraction}" if args.capacity_fraction is not None
@@ -162,25 +205,7 @@ def run(args: argparse.Namespace) -> dict:
                   "saved_activation_bytes": sum(unswapped["saved_storage_bytes"]),
                   **flop, "forward_flop_per_saved_byte": flop["forward_matmul_flop"] / sum(unswapped["saved_storage_bytes"]),
                   "eligible_bytes": sum(b for b in unswapped["saved_storage_bytes"] if b >= args.min_swap_bytes),
-                  "eligible_storages": sum(b >= args.min_swap_bytes for b in unswapped["saved_storage_bytes"])},
-        "chameleon_policy": None if chosen is None else {
-            "name": chosen.name, "feasible": chosen.feasible, "predicted_peak_mib": chosen.predicted_peak_bytes / MIB,
-            "predicted_stall_s": chosen.predicted_stall_s, "predicted_iteration_s": chosen.predicted_iteration_s,
-            "swap_mib": chosen.saved_bytes(Decision.SWAP) / MIB, "swapped_storages": sum(e.decision == Decision.SWAP for e in chosen.entries),
-            "recompute_mib": chosen.saved_bytes(Decision.RECOMPUTE) / MIB,
-            "recomputed_storages": sum(e.decision == Decision.RECOMPUTE for e in chosen.entries),
-            "version": cham.controller.version},
-        "trials": trials,
-        "chameleon_rounds": [{"round": i, "stage": x["stage"], "policy": x["policy"], "iteration_s": x["iteration_s"],
-                              "stall_s": x["stall_s"], "peak_mib": x["peak_bytes"] / MIB,
-                              "swap_out_mib": x["swap_out_bytes"] / MIB, "passive_swaps": x["passive_swaps"],
-                              "oom_retries": x["oom_retries"], "on_demand_fetches": x["on_demand_fetches"]}
-                             for i, x in enumerate(variants["chameleon"].records)],
-        "min_swap_bytes_after": {n: variants[n].chameleon.executor.min_swap_bytes for n in ("chameleon", "baseline")},
-        "variants": summary,
-        "checks": checks,
-        "rounds": {"warmup": warm_rounds, "warmup_planned": planned_warm_rounds, "timed": args.rounds, "orders": order_log[:4], "wall_s": rounds_s},
-    }
+                  "eligible_storages": sum(b >= args.min_swap_bytes for b in unswapped["saved_storage_bytes"])}
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -208,6 +233,13 @@ def print_report(r: dict) -> None:
           f"Stable) + {r['rounds']['timed']} timed, Williams-balanced order; "
           f"ratio = median over rounds of (variant / unconstrained, same round)")
     print()
+    _print_variants(r)
+    _print_chameleon(r)
+
+
+def _print_variants(r: dict) -> None:
+    """The variants' table and what its columns and variants mean."""
+    dev, c = r["device"], r["config"]
     print(f"{'variant':<15}{'median ms':>10}{'ratio':>7}{'IQR':>13}{'stall ms':>9}{'stall %':>8}{'host-bd %':>10}"
           f"{'ops/it':>7}{'out MiB/it':>11}{'moved %':>8}{'bound %':>8}{'peak MiB':>9}{'capacity':>9}{'bit-identical':>15}"
           "   (emulated)")
@@ -228,6 +260,11 @@ def print_report(r: dict) -> None:
     base = r["config"]["baseline_profiled"]
     print(f"  baseline = swap every saved tensor >= min_swap_bytes, on-demand fetch + prefetch depth "
           f"{c['prefetch_depth']} ({'WarmUp forever: a detailed trace every iteration' if base else 'warmup_iterations 0: no trace, no policy'})")
+
+
+def _print_chameleon(r: dict) -> None:
+    """Chameleon's policy, its untimed rounds and transitions, issue 5's targets and the wall time."""
+    c = r["config"]
     cv = r["variants"]["chameleon"]
     pol = r["chameleon_policy"]
     if pol:
