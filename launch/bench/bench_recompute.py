@@ -151,42 +151,13 @@ def run(args: argparse.Namespace) -> dict:
                                      if runners[n].chameleon is not None), flush=True)
     timed = range(args.warmup_rounds, rounds)
     [reference] = [runner for runner in runners.values() if runner.spec.reference]
-    ref_params = list(reference.model.parameters())
     ref_rows = [reference.records[i] for i in timed]
     d2h_bytes_per_s = make_device(args, 1).d2h_bytes_per_s
     forward_device_s = median_of(ref_rows, "forward_busy_s")
     forward_elapsed_s = median_of(ref_rows, "forward_elapsed_s")
     bound = physical_bound(d2h_bytes_per_s, forward_device_s, activation_bytes)
-    out = {}
-    for name, runner in runners.items():
-        rows = [runner.records[i] for i in timed]
-        ratios = [row["iteration_s"] / reference.records[i]["iteration_s"] for row, i in zip(rows, timed)]
-        cham = runner.chameleon
-        chosen = cham.controller.chosen if cham is not None else None
-        out[name] = {
-            "ratio": statistics.median(ratios),
-            "median_iteration_s": statistics.median(row["iteration_s"] for row in rows),
-            "peak_mib": max(row["peak_bytes"] for row in rows) / MIB,
-            "swap_out_mib": statistics.median(row["swap_out_bytes"] for row in rows) / MIB,
-            "recomputed_mib": statistics.median(row["recomputed_bytes"] for row in rows) / MIB,
-            "stall_share": statistics.median(row["stall_s"] / reference.records[i]["iteration_s"]
-                                             for row, i in zip(rows, timed)),
-            "passive_swaps": sum(row["passive_swaps"] for row in rows),
-            "median_stall_s": statistics.median(row["stall_s"] for row in rows),
-            "host_bound_share": median_of(rows, "host_bound_share"),
-            "compute_busy_s": median_of(rows, "compute_busy_s"),
-            "device_ops": median_of(rows, "device_ops"),
-            "moved_share": statistics.median(row["swap_out_bytes"] for row in rows) / activation_bytes,
-            "physical_bound": bound,
-            "iteration_s": [row["iteration_s"] for row in rows],
-            "stages": sorted({row["stage"] for row in rows if row["stage"]}),
-            "policies": sorted({row["policy"] for row in rows if row["policy"]}),
-            "chosen_feasible": chosen.feasible if chosen is not None else None,
-            "chosen_reason": chosen.reason if chosen is not None else "",
-            "best_generated_reason": _best_reason(cham),
-            "bit_identical": all(torch.equal(a, b) for a, b in zip(runner.losses, reference.losses, strict=True))
-            and all(torch.equal(a, b) for a, b in zip(runner.model.parameters(), ref_params, strict=True)),
-        }
+    out = {name: _variant_figures(runner, reference, timed, activation_bytes, bound)
+           for name, runner in runners.items()}
     return {"device": device_figures(args),
             "link": {"emulated": True, "preset": args.preset, "d2h_bytes_per_s": d2h_bytes_per_s,
                      "forward_device_s": forward_device_s, "forward_elapsed_s": forward_elapsed_s,
@@ -198,6 +169,39 @@ def run(args: argparse.Namespace) -> dict:
             "capacity_mib": capacity_bytes / MIB, "link_mib_per_iteration":
                 d2h_bytes_per_s * statistics.median(row["iteration_s"] for row in ref_rows) / MIB,
             "variants": out}
+
+
+def _variant_figures(runner: Runner, reference: Runner, timed: range, activation_bytes: int, bound: float) -> dict:
+    """One variant's medians over the timed rounds, against the reference of the same round."""
+    ref_params = list(reference.model.parameters())
+    rows = [runner.records[i] for i in timed]
+    ratios = [row["iteration_s"] / reference.records[i]["iteration_s"] for row, i in zip(rows, timed)]
+    cham = runner.chameleon
+    chosen = cham.controller.chosen if cham is not None else None
+    return {
+        "ratio": statistics.median(ratios),
+        "median_iteration_s": statistics.median(row["iteration_s"] for row in rows),
+        "peak_mib": max(row["peak_bytes"] for row in rows) / MIB,
+        "swap_out_mib": statistics.median(row["swap_out_bytes"] for row in rows) / MIB,
+        "recomputed_mib": statistics.median(row["recomputed_bytes"] for row in rows) / MIB,
+        "stall_share": statistics.median(row["stall_s"] / reference.records[i]["iteration_s"]
+                                         for row, i in zip(rows, timed)),
+        "passive_swaps": sum(row["passive_swaps"] for row in rows),
+        "median_stall_s": statistics.median(row["stall_s"] for row in rows),
+        "host_bound_share": median_of(rows, "host_bound_share"),
+        "compute_busy_s": median_of(rows, "compute_busy_s"),
+        "device_ops": median_of(rows, "device_ops"),
+        "moved_share": statistics.median(row["swap_out_bytes"] for row in rows) / activation_bytes,
+        "physical_bound": bound,
+        "iteration_s": [row["iteration_s"] for row in rows],
+        "stages": sorted({row["stage"] for row in rows if row["stage"]}),
+        "policies": sorted({row["policy"] for row in rows if row["policy"]}),
+        "chosen_feasible": chosen.feasible if chosen is not None else None,
+        "chosen_reason": chosen.reason if chosen is not None else "",
+        "best_generated_reason": _best_reason(cham),
+        "bit_identical": all(torch.equal(a, b) for a, b in zip(runner.losses, reference.losses, strict=True))
+        and all(torch.equal(a, b) for a, b in zip(runner.model.parameters(), ref_params, strict=True)),
+    }
 
 
 def _best_reason(chameleon: Chameleon | None) -> str:

@@ -413,6 +413,13 @@ def print_report(r: dict) -> None:
           f"compute_s; host-bd = device idle waiting for the host (iteration - compute busy - stall) / iteration; "
           f"moved = swap-out bytes / saved activation bytes per iteration; bound = the physical bound")
     print()
+    _print_rows(r)
+    _print_cells(r)
+    _print_targets(r)
+
+
+def _print_rows(r: dict) -> None:
+    """The table: one row per link, share and variant."""
     print(f"{'link':<12}{'share':>6}  {'variant':<25}{'ratio':>7}{'pred.':>7}{'m/p':>6}{'stall %':>8}{'host-bd %':>10}"
           f"{'peak/cap':>9}{'moved %':>8}{'bound %':>8}{'recomp MiB':>11}{'fallback':>9}{'bit-identical':>15}   (emulated)")
     capped = {(c["link"], c["hide_share"]) for c in r["cells"] if c.get("reduction_capped")}
@@ -436,6 +443,11 @@ def print_report(r: dict) -> None:
     print(f"  host-bound (device idle waiting for the host > 50% of the iteration): {len(bound)} of {len(rows)} rows"
           + ("" if not rows else f"; host-bound share {min(x['host_bound_share'] for x in rows):.1%}-"
              f"{max(x['host_bound_share'] for x in rows):.1%} over the rows") + " (emulated)")
+
+
+def _print_cells(r: dict) -> None:
+    """Per cell: a capped reduction, and each chameleon variant's policy, stages and trials."""
+    mod = r["model"]
     for cell in r["cells"]:
         if cell.get("reduction_capped"):
             print(f"  * {cell['link']} {cell['hide_share']:g}: capped at {REDUCTION_CAP:.0%} of what swapping can take off "
@@ -457,6 +469,10 @@ def print_report(r: dict) -> None:
                   + (f"policy {pol['name']} v{pol['version']} (feasible {pol['feasible']}, swap {pol['swap_mib']:.2f} MiB, "
                      f"recompute {pol['recompute_mib']:.2f} MiB, predicted stall {pol['predicted_stall_s'] * 1e3:.1f} ms)"
                      if pol else "NO policy") + f"; stages {v['stages']}; trials: {trials or '-'}")
+
+
+def _print_targets(r: dict) -> None:
+    """Issue 13's targets, met or not, and the wall times."""
     t = r["targets"]
     print("issue 13 targets (emulated):")
     for key, target in t.items():
