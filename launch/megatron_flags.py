@@ -18,8 +18,7 @@ import os
 from typing import Any
 
 from launch.kill_point import kill_flags
-from chameleon_dist.config.megatron_args import add_megatron_args
-from chameleon_dist.config.sizes import parse_size_bytes
+from chameleon_dist.config import add_megatron_args, parse_size_bytes
 
 logger = logging.getLogger("train_megatron")
 

@@ -97,8 +97,7 @@ from launch.models.toy_gpt import GPT, MoEFeedForward
 import torch
 from torch import nn
 
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES, EmulatedDevice
 
 logger = logging.getLogger(__name__)
 

@@ -66,9 +66,8 @@ from launch.bench.swap_variants import (
 
 import torch
 
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.policy.model import Decision
+from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES, EmulatedDevice
+from chameleon_dist.policy import Decision
 
 VARIANTS = ("unconstrained", "chameleon", "baseline", "save_on_cpu")
 WILLIAMS_4 = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))  # harness.balanced_orders(4): each before each other once

@@ -68,10 +68,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from chameleon_dist import Chameleon
-from chameleon_dist.device.base import Device
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.policy.model import Decision
+from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES, Device, EmulatedDevice
+from chameleon_dist.policy import Decision
 
 MIB, GIB = 2**20, 2**30
 SPECS = (
@@ -355,7 +353,7 @@ def build(args: argparse.Namespace, shape: Shape) -> tuple[dict[str, Variant], d
                 "source": "emulated link, --dry-run (fast, so that the dry run takes seconds)"}
         meters = {spec.name: EmulatedDevice(UNBOUNDED_CAPACITY_BYTES) for spec in SPECS if spec.config is None}
     else:
-        from chameleon_dist.device.cuda import CudaDevice
+        from chameleon_dist.device import CudaDevice
 
         shared = CudaDevice()  # live and peak bytes of the whole GPU: every variant's are the same
         link = {**measure_copy_rates(shared, args.link_probe_mib * MIB),  # (launch/bench/gpu_probes.py: one measurement)

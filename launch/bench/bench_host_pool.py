@@ -30,8 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES, EmulatedDevice
 from chameleon_dist.units import format_bytes
 
 

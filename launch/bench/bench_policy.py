@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from chameleon_dist.models import llama
-from chameleon_dist.planner.profiles import load_model
+from chameleon_dist.planner import load_model
 from chameleon_dist.policy import (
     Decision,
     PolicySettings,
@@ -47,10 +47,8 @@ from chameleon_dist.policy import (
     generate_policies,
     logical_layers,
 )
-from chameleon_dist.profiler.recorder import TraceRecorder
-from chameleon_dist.profiler.scope import TrainingScope
-from chameleon_dist.profiler.signature import OpVocabulary
-from chameleon_dist.trace.step_trace import FORWARD, StepTrace
+from chameleon_dist.profiler import OpVocabulary, TraceRecorder, TrainingScope
+from chameleon_dist.trace import FORWARD, StepTrace
 from chameleon_dist.units import format_bytes
 
 GIB = 2**30

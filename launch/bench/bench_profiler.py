@@ -41,11 +41,9 @@ from launch.models.toy_gpt import GPT
 import torch
 from torch.nn import functional as F
 
-from chameleon_dist.profiler.recorder import TraceRecorder
-from chameleon_dist.profiler.scope import TrainingScope
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.executor.swap import SwapExecutor
-from chameleon_dist.profiler.signature import OpVocabulary, Signature, SignatureMode, compare
+from chameleon_dist.profiler import OpVocabulary, Signature, SignatureMode, TraceRecorder, TrainingScope, compare
+from chameleon_dist.device import EmulatedDevice
+from chameleon_dist.executor import SwapExecutor
 
 PLAIN, SIGNATURE, RECORDER, TORCH_PROFILER = "plain", "signature", "recorder", "torch.profiler"
 VARIANTS = (PLAIN, SIGNATURE, RECORDER, TORCH_PROFILER)

@@ -42,8 +42,7 @@ import torch
 from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES, EmulatedDevice
 
 MIB = 2**20
 VARIANTS = ("unconstrained", "swap_only", "swap_recompute", "layer_recompute")

@@ -66,9 +66,9 @@ from launch.bench.swap_variants import (
 
 import torch
 
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
+from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES
 from chameleon_dist.device.presets import PRESETS, get_preset
-from chameleon_dist.policy.model import Decision
+from chameleon_dist.policy import Decision
 
 SHARES = (0.05, 0.1, 0.25, 1.0)  # at real link rates the forward's shadow holds more than the saved bytes
 LINKS = ("h100-pcie", "ascend-910b")

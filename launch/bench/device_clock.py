@@ -49,8 +49,7 @@ import dataclasses
 import math
 import statistics
 
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.model import DeviceModel
+from chameleon_dist.device import DeviceModel, EmulatedDevice
 from chameleon_dist.device.presets import PRESETS
 
 DEFAULT_PRESET = "h100-pcie"

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from chameleon_dist import Chameleon
-from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device import EmulatedDevice
 from chameleon_dist.device.presets import PRESETS, get_preset
 from launch.models.gpu_probe_models import SideStreamNet, Tower, model_state
 
@@ -64,7 +64,7 @@ class Probes:
             # (without a capacity: the preset's memory, as a GPU has; sys.maxsize overflows the generator's int64
             # arithmetic at memory_budget 1.0)
             return EmulatedDevice(capacity_bytes or self.preset.memory_bytes, preset=DRY_PRESET, host_op_s=DRY_HOST_OP_S)
-        from chameleon_dist.device.cuda import CudaDevice
+        from chameleon_dist.device import CudaDevice
 
         return CudaDevice(capacity_bytes=capacity_bytes, enforce_capacity=enforce)
 

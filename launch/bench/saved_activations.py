@@ -6,7 +6,7 @@ from typing import Callable, ContextManager, Iterable
 
 import torch
 
-from chameleon_dist.device.meter import storage_key
+from chameleon_dist.device import storage_key
 
 
 class SavedActivations:

@@ -28,10 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-from chameleon_dist.device.meter import storage_key
-from chameleon_dist.policy.candidates import find_candidates
+from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES, EmulatedDevice, storage_key
+from chameleon_dist.policy import find_candidates
 
 MIB = 2**20
 REPORT_KEYS = ("swap_out_bytes", "swap_in_bytes", "stage", "policy", "passive_swaps", "oom_retries",

@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.layers = args.layers or QUICK["num_layers"]
         args.seq_length = args.seq_length or QUICK["seq_length"]
         args.limit_steps = min(args.limit_steps, QUICK["limit_steps"])
-    from chameleon_dist.planner.profiles import load_model
+    from chameleon_dist.planner import load_model
 
     profile = load_model(CASES[args.model].profile)
     args.seq_length = args.seq_length or profile.seq_length
@@ -157,7 +157,7 @@ def find_limit(case: Case, args, reference: VariantRun, bound_movable_bytes: int
 
 
 def run(args: argparse.Namespace) -> dict:
-    from chameleon_dist.integrations.megatron.meta_models import megatron_meta_session
+    from chameleon_dist.integrations.megatron import megatron_meta_session
 
     case = _case(args)
     preset = args.preset_figures

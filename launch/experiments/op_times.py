@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Callable
 
 from chameleon_dist import Chameleon
-from chameleon_dist.device.simulated.backend import SimulatedBackend
-from chameleon_dist.trace.step_trace import StepTrace
+from chameleon_dist.device import SimulatedBackend
+from chameleon_dist.trace import StepTrace
 
 
 class _TaggedOpTimes(list):

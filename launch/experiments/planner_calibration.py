@@ -62,7 +62,7 @@ class PhaseSeconds:
 
 
 def phase_seconds(trace, op_times_s: list[float]) -> PhaseSeconds:
-    from chameleon_dist.trace.step_trace import BACKWARD, FORWARD
+    from chameleon_dist.trace import BACKWARD, FORWARD
 
     sums = {"layers": 0.0, "outside": 0.0, "backward": 0.0, "other": 0.0}
     layers, micro_batches = set(), set()
@@ -79,7 +79,7 @@ def phase_seconds(trace, op_times_s: list[float]) -> PhaseSeconds:
 
 
 def case_layers(case: Case) -> int:
-    from chameleon_dist.planner.profiles import load_model
+    from chameleon_dist.planner import load_model
 
     return case.num_layers or load_model(case.profile).num_layers
 
@@ -88,8 +88,8 @@ def measure(case: Case, *, preset: str, seq_length: int | None = None, micro_bat
             micro_batch_size: int = 1) -> dict:
     """A calibration mapping (``planner/calibration.py``'s format 1) for ``case`` on ``preset`` (module docstring)."""
     from chameleon_dist.device.presets import get_preset
-    from chameleon_dist.integrations.megatron.meta_models import megatron_meta_session
-    from chameleon_dist.planner.profiles import load_model
+    from chameleon_dist.integrations.megatron import megatron_meta_session
+    from chameleon_dist.planner import load_model
     from launch.experiments.scale_runs import profiled_iteration
 
     profile = load_model(case.profile)

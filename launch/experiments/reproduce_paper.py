@@ -25,8 +25,7 @@ import warnings
 from pathlib import Path
 from types import MappingProxyType
 
-from chameleon_dist.config import read_mapping
-from chameleon_dist.config.shipped import DEFAULT_JOB
+from chameleon_dist.config import DEFAULT_JOB, read_mapping
 from chameleon_dist.models import TransformerShape
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,10 +58,9 @@ class Trainer:
         import torch
 
         from chameleon_dist.config import ChameleonConfig
-        from chameleon_dist.device import EmulatedDevice
-        from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES
-        from chameleon_dist.integrations.megatron.gpt import build_gpt
-        from chameleon_dist.runtime import Chameleon
+        from chameleon_dist.device import UNBOUNDED_CAPACITY_BYTES, EmulatedDevice
+        from chameleon_dist.integrations.megatron import build_gpt
+        from chameleon_dist import Chameleon
 
         self.shape = shape
         self.seed = seed
@@ -85,7 +83,7 @@ class Trainer:
         self.optimizer.register_step_post_hook(lambda *_: self.optimizer_s.append(time.perf_counter() - started[-1]))
 
     def step(self) -> None:
-        from chameleon_dist.integrations.megatron.gpt import gpt_loss, synthetic_batch
+        from chameleon_dist.integrations.megatron import gpt_loss, synthetic_batch
 
         batch = synthetic_batch(self.shape, len(self.iteration_s), self.seed)
         self.layer_s.clear()
@@ -111,7 +109,7 @@ def measure_peak_bytes(shape: TransformerShape, recompute: str = "none", swap: b
     """The emulated device's measured peak over the iterations after the first (Adam's state exists from
     then on), in a fresh session on an unbounded device with an instant link."""
     warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
-    from chameleon_dist.integrations.megatron.gpt import megatron_cpu_session
+    from chameleon_dist.integrations.megatron import megatron_cpu_session
 
     with megatron_cpu_session(seed=seed):
         trainer = Trainer(shape, recompute, swap, min_swap_bytes=min_swap_bytes, seed=seed)
@@ -153,8 +151,8 @@ def time_rows(shape: TransformerShape = DEFAULT_SHAPE, rounds: int = 6, warmup: 
     runtime's chosen policy on a device of ``capacity_bytes``; the planner predicts it with its own swap
     model (the policy generator on its coarse trace) for the same budget."""
     warnings.filterwarnings("ignore", module=r"megatron(\.|$)")
-    from chameleon_dist.config.schema import AUTO_DEVICE_FRACTION
-    from chameleon_dist.integrations.megatron.gpt import megatron_cpu_session
+    from chameleon_dist.config import AUTO_DEVICE_FRACTION
+    from chameleon_dist.integrations.megatron import megatron_cpu_session
     from chameleon_dist.planner import Layout, evaluate
     from chameleon_dist.planner.calibrate import calibrated_hardware, cpu_setup, megatron_cpu_gpt
 

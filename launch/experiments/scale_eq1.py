@@ -45,14 +45,21 @@ from typing import Callable
 import torch
 
 from chameleon_dist import Chameleon
-from chameleon_dist.device.emulated import EmulatedDevice
+from chameleon_dist.device import EmulatedDevice
 from chameleon_dist.models.llama import LlamaShape, build_llama
-from chameleon_dist.planner.profiles import load_model
-from chameleon_dist.policy import Decision, PolicySettings, calibrated_group_times_s, generate_policies, logical_layers
-from chameleon_dist.policy.candidates import find_candidates
-from chameleon_dist.policy.layers import op_times_s as spread
-from chameleon_dist.policy.simulator import Planned, simulate
-from chameleon_dist.trace.step_trace import StepTrace
+from chameleon_dist.planner import load_model
+from chameleon_dist.policy import (
+    Decision,
+    PolicySettings,
+    calibrated_group_times_s,
+    generate_policies,
+    logical_layers,
+    find_candidates,
+    op_times_s as spread,
+    Planned,
+    simulate,
+)
+from chameleon_dist.trace import StepTrace
 from chameleon_dist.units import format_bytes
 from launch.experiments.op_times import profile_iteration  # noqa: F401  (scale_eq1.profile_iteration, as before)
 from launch.experiments.scale_runs import HOST_OP_S, Case, profiled_iteration

@@ -22,7 +22,7 @@ PAPER_SPEEDUP = 0.3894  # arXiv 2509.11076: "up to 38.94%" faster than recomputa
 
 def prediction_hardware(preset_figures):
     """The one-device profile the planner predicts an emulated preset with (at ``PREDICTION_EFFICIENCY``)."""
-    from chameleon_dist.planner.single_device import hardware_from_preset
+    from chameleon_dist.planner import hardware_from_preset
 
     return hardware_from_preset(preset_figures, efficiency=PREDICTION_EFFICIENCY)
 
@@ -35,8 +35,7 @@ def planner_predictions(case, args, reference, budgets: list[int], hardware=None
     peak is reported as ``simulated weights and gradients + (predicted peak - predicted static)``. ``hardware``: the
     profile to predict with (None: the preset's at ``PREDICTION_EFFICIENCY``; ``launch/experiments/planner_calibration.py``
     passes a calibrated one); ``optimizer_s`` is the planner's optimizer term inside ``iteration_s``."""
-    from chameleon_dist.planner.profiles import load_model
-    from chameleon_dist.planner.single_device import predict_single_device
+    from chameleon_dist.planner import load_model, predict_single_device
 
     if hardware is None:
         hardware = prediction_hardware(args.preset_figures)

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.planner.profiles import load_model
+from chameleon_dist.device import EmulatedDevice
+from chameleon_dist.planner import load_model
 from launch.experiments.op_times import profile_iteration
 from launch.experiments.scale_bound import SavedBytesByLayer
 
@@ -100,7 +100,7 @@ def settings_of(variant: str) -> tuple[str | None, bool, bool]:
 
 
 def _build(case: Case, seq_length: int, micro_batch_size: int = 1, recompute: str | None = None):
-    from chameleon_dist.integrations.megatron.meta_models import build_meta_gpt
+    from chameleon_dist.integrations.megatron import build_meta_gpt
 
     return build_meta_gpt(load_model(case.profile), num_layers=case.num_layers, pre_process=case.pre_process,
                           post_process=case.post_process, seq_length=seq_length, micro_batch_size=micro_batch_size,
@@ -118,7 +118,7 @@ def schedule_step(integration, model, device, *, micro_batches: int, seq_length:
     ``integration``'s micro-batch tracker (a ``MegatronChameleon``'s), ending with the host waiting for ``device`` once
     (a training loop's ``loss.item()``: without it the host runs iterations ahead of the device, and a Stable
     report shows an older iteration's time, NOTE [Stable iterations never wait for their own figures])."""
-    from chameleon_dist.integrations.megatron.meta_models import meta_schedule_step
+    from chameleon_dist.integrations.megatron import meta_schedule_step
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     schedule = get_forward_backward_func()

@@ -39,8 +39,8 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=FutureWarning)
     import deepspeed  # noqa: E402  (before any rank starts: tests fork ranks from one process)
 
-    from chameleon_dist.config.loaders import config_from_deepspeed  # noqa: E402
-    from chameleon_dist.integrations.deepspeed.engine import initialize, install  # noqa: E402
+    from chameleon_dist.config import config_from_deepspeed  # noqa: E402
+    from chameleon_dist.integrations.deepspeed import initialize, install  # noqa: E402
 
 logger = logging.getLogger("zero3_memory")
 
