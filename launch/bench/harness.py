@@ -1,10 +1,11 @@
 """What every benchmark in launch/ shares: round orders, quartiles, the variant record, a report's
 fields, and the frame of the results (header, config, wall time, JSON).
 
-The scripts are modules of the package ``launch`` (a namespace package: no ``__init__.py``) and run as
-``python -m launch.<script>`` from the repository root, which ``-m`` puts on ``sys.path``; they import each
-other as ``from launch.bench.harness import ...``, as the tests do (``from launch import bench_executor``; pytest's
-``pythonpath`` option puts the root there). Nothing edits ``sys.path``.
+The scripts are modules of the package ``launch`` (namespace packages: no ``__init__.py``, in rooms: README
+"``launch/``: the scripts, in rooms") and run as ``python -m launch.bench.<script>`` from the repository root,
+which ``-m`` puts on ``sys.path``; they import each other as ``from launch.bench.harness import ...``, as the
+tests do (``from launch.bench import bench_executor``; pytest's ``pythonpath`` option puts the root there).
+Nothing edits ``sys.path``.
 """
 
 from __future__ import annotations
