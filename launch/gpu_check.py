@@ -12,16 +12,16 @@ ended, and the next one runs; the JSON is written after every part, so a killed 
 
 1. ``gpu_tests``: the ``gpu``-marked tests (``pytest -m gpu`` over the test files that have them); on a
    CPU they skip, which the dry run shows.
-2. ``probes``: ``launch/gpu_probes.py``: relief with the capacity enforced and no iteration retry (at least one op
+2. ``probes``: ``launch/bench/gpu_probes.py``: relief with the capacity enforced and no iteration retry (at least one op
    relieved, bit-identical), a side-stream backward + BatchNorm model, no pageable fallback buffers, measured
    D2H/H2D/duplex copy rates beside the preset's, Chameleon's added host time per op.
 3. ``gpu_tests_sanitized``: the ``gpu`` tests again under PyTorch's CUDA stream sanitizer
    (``TORCH_CUDA_SANITIZER=1``: an access racing another stream's fails its test).
 4. ``megatron_2rank``: ``-m launch.train_megatron --tp 2`` on two ranks, without Chameleon (metered) and with
-   it, compared by ``launch/compare_reports.py`` (bit-identical, within capacity, Stable reached).
+   it, compared by ``launch/bench/compare_reports.py`` (bit-identical, within capacity, Stable reached).
 5. ``deepspeed_2rank``: ``launch/train_deepspeed.py`` on two ranks, ZeRO-2 (ZeRO-0 when the ranks share one GPU,
    see below), without and with Chameleon, compared the same way.
-6. ``bench_gpu``: ``launch/bench_gpu.py``, time-boxed to what is left (at most 3 minutes).
+6. ``bench_gpu``: ``launch/bench/bench_gpu.py``, time-boxed to what is left (at most 3 minutes).
 
 Two ranks on a machine with one GPU share it (``launch/cuda_ranks.py``): NCCL refuses that, so they use
 gloo, which moves CUDA tensors only by all-reduce and broadcast: tensor parallelism (no pipeline send) and
@@ -44,9 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch.compare_reports import compare, stable_window
+from launch.bench.compare_reports import compare, stable_window
 from launch.gpu_preflight import gpu_test_files, preflight
-from launch.harness import header
+from launch.bench.harness import header
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,7 +139,7 @@ def part_gpu_tests(work: Path, timeout_s: float, sanitized: bool = False) -> dic
 
 def part_probes(work: Path, timeout_s: float, dry_run: bool) -> dict:
     out = work / "gpu_probes.json"
-    result = _run([sys.executable, "-m", "launch.gpu_probes", "--json", str(out), *(["--dry-run"] if dry_run else [])],
+    result = _run([sys.executable, "-m", "launch.bench.gpu_probes", "--json", str(out), *(["--dry-run"] if dry_run else [])],
                   timeout_s)
     result["results"] = json.loads(out.read_text()) if out.is_file() else None
     result["ok"] = result["returncode"] == 0 and bool(result["results"] and result["results"].get("ok"))
@@ -200,7 +200,7 @@ def part_deepspeed(work: Path, timeout_s: float, iterations: int, shared_gpu: bo
 def part_bench_gpu(work: Path, timeout_s: float, dry_run: bool) -> dict:
     out = work / "bench_gpu.json"
     minutes = max(min(BENCH_MAX_MINUTES, (timeout_s - 30) / 60), 0.5)
-    command = [sys.executable, "-m", "launch.bench_gpu", "--json", str(out), "--max-minutes", f"{minutes:.2f}",
+    command = [sys.executable, "-m", "launch.bench.bench_gpu", "--json", str(out), "--max-minutes", f"{minutes:.2f}",
                *(["--dry-run"] if dry_run else [])]
     result = _run(command, timeout_s)
     result["results"] = json.loads(out.read_text()) if out.is_file() else None

@@ -34,11 +34,11 @@ def gpu_test_files() -> list[str]:
 
 PART_MODULES: dict[str, tuple[str, ...]] = {
     "gpu_tests": (*COMMON, "pytest", "tests.conftest", *(f.removesuffix(".py").replace("/", ".") for f in gpu_test_files())),
-    "probes": (*COMMON, "launch.gpu_probes"),
-    "megatron_2rank": (*COMMON, "megatron.core", "launch.train_megatron", "launch.compare_reports"),
+    "probes": (*COMMON, "launch.bench.gpu_probes"),
+    "megatron_2rank": (*COMMON, "megatron.core", "launch.train_megatron", "launch.bench.compare_reports"),
     "deepspeed_2rank": (*COMMON, *DEEPSPEED_OWN, "deepspeed", "deepspeed.runtime.zero.stage_1_and_2",
-                        "launch.train_deepspeed", "launch.compare_reports"),
-    "bench_gpu": (*COMMON, "launch.bench_gpu"),
+                        "launch.train_deepspeed", "launch.bench.compare_reports"),
+    "bench_gpu": (*COMMON, "launch.bench.bench_gpu"),
 }
 PART_MODULES["gpu_tests_sanitized"] = (*PART_MODULES["gpu_tests"], "torch.cuda._sanitizer")
 OPTIONAL_MODULES = ("transformers", "accelerate")

@@ -18,8 +18,7 @@ import os
 from typing import Any
 
 from launch.kill_point import kill_flags
-from chameleon_dist.config.megatron_args import add_megatron_args
-from chameleon_dist.config.sizes import parse_size_bytes
+from chameleon_dist.config import add_megatron_args, parse_size_bytes
 
 logger = logging.getLogger("train_megatron")
 
@@ -39,7 +38,19 @@ refused too, by name)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The launcher's parser: Megatron-LM's flag names, in Megatron-LM's groups, then Chameleon's."""
     parser = argparse.ArgumentParser(description=DESCRIPTION, allow_abbrev=False)
+    _network_flags(parser)
+    _training_flags(parser)
+    _precision_flags(parser)
+    _distributed_flags(parser)
+    _run_flags(parser)
+    add_megatron_args(parser)
+    return parser
+
+
+def _network_flags(parser: argparse.ArgumentParser) -> None:
+    """Network size: layers, widths, heads, position embeddings, normalization, MLP."""
     network = parser.add_argument_group("network size")
     network.add_argument("--num-layers", type=int, default=4)
     network.add_argument("--hidden-size", type=int, default=64)
@@ -63,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     network.add_argument("--disable-bias-linear", action="store_true", help="No biases in the linear layers.")
     network.add_argument("--transformer-impl", type=_local_only, default="local",
                          help="local only: megatron-core's own layers (Transformer Engine's are CUDA-only).")
+
+def _training_flags(parser: argparse.ArgumentParser) -> None:
+    """Data, training (batches, iterations, Megatron's recomputation), regularization, init and learning rate."""
     data = parser.add_argument_group("data and dataloader")
     data.add_argument("--seq-length", type=int, default=128)
     data.add_argument("--vocab-size", type=int, default=128, help="Synthetic tokens' vocabulary.")
@@ -92,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=1234)
     learning = parser.add_argument_group("learning rate")
     learning.add_argument("--lr", type=float, default=3e-3)
+
+def _precision_flags(parser: argparse.ArgumentParser) -> None:
+    """Mixed precision and loss scaling."""
     precision = parser.add_argument_group(
         "mixed precision", "--bf16/--fp16 train through Megatron's mixed-precision optimizer (fp32 main params).")
     precision.add_argument("--bf16", action="store_true")
@@ -101,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--min-loss-scale", type=float, default=1.0)
     precision.add_argument("--loss-scale-window", type=int, default=1000)
     precision.add_argument("--hysteresis", type=int, default=2)
+
+def _distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """Tensor, pipeline, data, sequence and expert parallelism."""
     distributed = parser.add_argument_group("distributed")
     distributed.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
     distributed.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
@@ -127,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
     moe.add_argument("--expert-model-parallel-size", type=int, default=1,
                      help="Ranks the experts are split over (carved out of the data-parallel ranks).")
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    """This launcher's own flags: the report, and the fault and squeeze tests' ranks."""
     run = parser.add_argument_group("run (this launcher)")
     run.add_argument("--report", default=None, metavar="PATH", help="Write the JSON report here (rank 0).")
     run.add_argument("--fail-rank", type=int, default=None, metavar="RANK",
@@ -139,9 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--squeeze-iteration", type=int, default=2)
     run.add_argument("--squeeze-bytes", type=parse_size_bytes, default=0, metavar="SIZE")
     kill_flags(run)
-    add_megatron_args(parser)
-    return parser
-
 
 def _local_only(value: str) -> str:
     if value != "local":

@@ -1,30 +1,14 @@
-"""Which activation storages autograd saves in one pass, and their bytes (benchmarks size their budgets with it)."""
+"""Old path of ``launch.bench.saved_activations``: an alias kept for one release after issue 38 (launch/ in rooms).
 
-from __future__ import annotations
+``python -m launch.saved_activations ...`` runs the new module as it ran before, and ``import launch.saved_activations`` gives the
+new module itself. Use ``launch.bench.saved_activations``: this file goes in the next release.
+"""
 
-from typing import Callable, ContextManager, Iterable
+import importlib
+import runpy
+import sys
 
-import torch
-
-from chameleon_dist.device.meter import storage_key
-
-
-class SavedActivations:
-    """Inside ``hooks()``, every storage autograd saves that is not a parameter's (and, with
-    ``is_device_tensor``, lives on the device) is noted in ``bytes_by_storage`` (storage key -> bytes)."""
-
-    def __init__(self, parameters: Iterable[torch.Tensor],
-                 is_device_tensor: Callable[[torch.Tensor], bool] = lambda tensor: True) -> None:
-        self.parameter_keys = {storage_key(p.untyped_storage()) for p in parameters}
-        self.is_device_tensor = is_device_tensor
-        self.bytes_by_storage: dict[int, int] = {}
-
-    def _note(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage_key(storage)
-        if key not in self.parameter_keys and self.is_device_tensor(tensor):
-            self.bytes_by_storage[key] = storage.nbytes()
-        return tensor
-
-    def hooks(self) -> ContextManager[None]:
-        return torch.autograd.graph.saved_tensors_hooks(self._note, lambda tensor: tensor)
+if __name__ == "__main__":
+    runpy.run_module("launch.bench.saved_activations", run_name="__main__", alter_sys=True)
+else:
+    sys.modules[__name__] = importlib.import_module("launch.bench.saved_activations")

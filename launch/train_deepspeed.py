@@ -38,9 +38,9 @@ from torch.nn import functional as F
 from launch.kill_point import KillPoint, kill_flags
 from launch.cuda_ranks import rank_cuda_setup
 from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
-from launch.toy_gpt import Block, MoEFeedForward
+from launch.models.toy_gpt import Block, MoEFeedForward
 
-from chameleon_dist.config.loaders import config_from_deepspeed
+from chameleon_dist.config import config_from_deepspeed
 from chameleon_dist.units import format_bytes
 
 with warnings.catch_warnings():
@@ -56,7 +56,7 @@ with warnings.catch_warnings():
     from deepspeed.pipe import PipelineModule  # noqa: E402
     from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
-    from chameleon_dist.integrations.deepspeed.engine import initialize, install  # noqa: E402
+    from chameleon_dist.integrations.deepspeed import initialize, install  # noqa: E402
 
 logger = logging.getLogger("train_deepspeed")
 
@@ -229,7 +229,7 @@ def session(args: argparse.Namespace, config: dict[str, Any]) -> Iterator[bool]:
         torch.set_num_threads(1)
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a minutes-long build of a CPU-only op
         if config.get("fp16", {}).get("enabled"):
-            from chameleon_dist.integrations.deepspeed.cpu import CPU_PATCHES
+            from chameleon_dist.integrations.deepspeed import CPU_PATCHES
             from chameleon_dist.patching import apply_patches
 
             patches = apply_patches(CPU_PATCHES)

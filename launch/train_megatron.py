@@ -38,8 +38,8 @@ from launch.cuda_ranks import rank_cuda_setup
 from launch.kill_point import KillPoint
 from launch.rank_report import RankRecord, gather, launcher_setup, params_sha256, schedule_of, write_report
 
-from chameleon_dist.config.megatron_args import config_from_megatron_args
-from chameleon_dist.models.shape import TransformerShape
+from chameleon_dist.config import config_from_megatron_args
+from chameleon_dist.models import TransformerShape
 from chameleon_dist.units import format_bytes
 
 with warnings.catch_warnings():
@@ -51,7 +51,7 @@ with warnings.catch_warnings():
     from megatron.core.transformer.module import Float16Module
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from chameleon_dist.integrations.megatron import gpt  # noqa: E402
+    from chameleon_dist.integrations.megatron import build_gpt, megatron_cpu_session, synthetic_batch  # noqa: E402
     from chameleon_dist.integrations.megatron.install import install  # noqa: E402
     # torch.use_deterministic_algorithms (main) imports torch._inductor: ~2.5 s in every rank unless imported
     # here, once (tests fork ranks from one process that imported this module)
@@ -88,7 +88,7 @@ def session(args: argparse.Namespace) -> Iterator[bool]:
         torch.set_num_threads(1)
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group("gloo", init_method="env://", timeout=timeout)
-        with gpt.megatron_cpu_session(args.seed, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        with megatron_cpu_session(args.seed, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                                       virtual_pipeline_model_parallel_size=vpp,
                                       expert_model_parallel_size=args.expert_model_parallel_size):
             yield True
@@ -152,7 +152,7 @@ def build_chunks(args: argparse.Namespace, shape: TransformerShape, on_cpu: bool
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for vp_stage in stages:
-        chunk = gpt.build_gpt(shape, seed=args.seed + 1000 * pp_rank + (vp_stage or 0), vp_stage=vp_stage,
+        chunk = build_gpt(shape, seed=args.seed + 1000 * pp_rank + (vp_stage or 0), vp_stage=vp_stage,
                               max_sequence_length=args.max_position_embeddings, gpt_kwargs=gpt_kwargs, **overrides)
         chunk = chunk if on_cpu else chunk.cuda()
         chunks.append(Float16Module(chunk.config, chunk) if args.bf16 or args.fp16 else chunk)
@@ -183,7 +183,7 @@ def batches_for(args: argparse.Namespace, iteration: int, device: torch.device) 
     shape = shape_for(args, seq_length_at(args, iteration))
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     first = (iteration * dp_size + dp_rank) * args.micro_batches
-    return [{k: v.to(device) for k, v in gpt.synthetic_batch(shape, first + i, args.seed).items()}
+    return [{k: v.to(device) for k, v in synthetic_batch(shape, first + i, args.seed).items()}
             for i in range(args.micro_batches)]
 
 

@@ -1,6 +1,7 @@
 """Imports in the tests: everything by its path from the repository root. Test helpers are
-``tests.<module>`` (``from tests.models import make_lm``) and the launch/ scripts are ``launch.<script>``
-(``from launch import bench_executor``); both directories are namespace packages (no ``__init__.py``).
+``tests.<module>`` (``from tests.models import make_lm``) and the launch/ scripts are ``launch.<room>.<script>``
+(``from launch.bench import bench_executor``; README "``launch/``: the scripts, in rooms"); both directories are
+namespace packages (no ``__init__.py``).
 
 pytest's ``pythonpath = ["."]`` option (pyproject.toml) puts the repository root on ``sys.path`` however
 pytest is started (``pytest``, ``python -m pytest``, from any directory). Test files that

@@ -1,4 +1,4 @@
-"""Smoke test of the dynamic-sequence benchmark (launch/bench_dynamic.py) on its tiny configuration.
+"""Smoke test of the dynamic-sequence benchmark (launch/bench/bench_dynamic.py) on its tiny configuration.
 
 Only that it runs, reports both default cases (and, with transformers installed, the two Mixtral cases)
 with the fields the issue asks for, and that Chameleon's losses and final parameters are bit-identical to
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from chameleon_dist.device.presets import get_preset
-from launch import bench_dynamic
-from launch.device_clock import DEFAULT_HOST_OP_S, device_figures, make_device
+from launch.bench import bench_dynamic
+from launch.bench.device_clock import DEFAULT_HOST_OP_S, device_figures, make_device
 
 
 def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
@@ -23,7 +23,7 @@ def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
     assert torch.get_num_threads() == threads, "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "-m launch.bench_dynamic --small" in results["command"] and results["date"] and results["emulated"]
+    assert "-m launch.bench.bench_dynamic --small" in results["command"] and results["date"] and results["emulated"]
     assert "ALL FIGURES EMULATED: simulated device (h100-pcie)" in printed and "(emulated)" in printed
     for key in ("device", "cases", "checks", "config", "machine", "wall_s"):
         assert key in results, key

@@ -1,4 +1,4 @@
-"""Smoke test of the hidden-transfers benchmark (launch/bench_executor.py) on its tiny configuration.
+"""Smoke test of the hidden-transfers benchmark (launch/bench/bench_executor.py) on its tiny configuration.
 
 Only that it runs and reports every variant with sane values: the timings themselves are measured, never
 asserted against thresholds."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from chameleon_dist.device.presets import get_preset
-from launch import bench_executor, same_figures
-from launch.device_clock import DEFAULT_HOST_OP_S, host_op_s_value
+from launch.bench import bench_executor, same_figures
+from launch.bench.device_clock import DEFAULT_HOST_OP_S, host_op_s_value
 
 
 def test_small_run_reports_every_variant(tmp_path, capsys):
@@ -21,7 +21,7 @@ def test_small_run_reports_every_variant(tmp_path, capsys):
     assert torch.get_num_threads() == threads, "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "-m launch.bench_executor --small" in results["command"] and results["date"] and results["emulated"]
+    assert "-m launch.bench.bench_executor --small" in results["command"] and results["date"] and results["emulated"]
     assert "ALL FIGURES EMULATED: simulated device (h100-pcie)" in printed and "(emulated)" in printed
     assert "save_on_cpu semantics emulated (synchronous copies, no prefetch)" in printed
     for key in ("device", "link", "model", "chameleon_policy", "trials", "chameleon_rounds", "variants", "checks", "rounds"):

@@ -1,4 +1,4 @@
-"""launch/bench_gpu.py: its ``--dry-run`` runs the GPU benchmark's code path on the CPU (emulated devices,
+"""launch/bench/bench_gpu.py: its ``--dry-run`` runs the GPU benchmark's code path on the CPU (emulated devices,
 tiny shape). Checked: the JSON's structure, bit-identity of every variant with the no-swap run, Chameleon's
 peaks below the no-swap peak, the time box, and the automatic shape for a GPU's memory. No timing
 thresholds: dry-run times mean nothing."""
@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from launch import bench_gpu
+from launch.bench import bench_gpu
 
 VARIANT_KEYS = {"median_iteration_s", "ratio", "median_stall_s", "swap_out_bytes", "peak_bytes", "peak_above_start_bytes",
                 "bit_identical", "losses_equal", "losses_compared", "parameters_equal", "parameters_compared",

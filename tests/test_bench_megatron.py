@@ -1,4 +1,4 @@
-"""Smoke test of the Megatron layouts benchmark (launch/bench_megatron.py): its dry run (one 2-rank layout,
+"""Smoke test of the Megatron layouts benchmark (launch/bench/bench_megatron.py): its dry run (one 2-rank layout,
 3 iterations, two torchrun jobs, ~35 s on 2 cores) reports the fields of the table and bit-identity; and the
 window/time/swap arithmetic on hand-written reports. Timings and ratios are measured, never asserted."""
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launch import bench_megatron
+from launch.bench import bench_megatron
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
@@ -62,7 +62,7 @@ def test_dry_run_reports_one_layout_bit_identical(tmp_path, capsys):
     printed = capsys.readouterr().out
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "-m launch.bench_megatron --dry-run" in results["command"] and results["date"] and results["emulated"]
+    assert "-m launch.bench.bench_megatron --dry-run" in results["command"] and results["date"] and results["emulated"]
     for key in ("layouts", "checks", "config", "machine", "wall_s"):
         assert key in results, key
     assert results["config"]["iterations"] == bench_megatron.DRY_RUN_ITERATIONS

@@ -1,4 +1,4 @@
-"""Smoke test of the policy generator benchmark (launch/bench_policy.py) on its tiny configuration.
+"""Smoke test of the policy generator benchmark (launch/bench/bench_policy.py) on its tiny configuration.
 
 Only that it runs and reports both results with sane values: the figures themselves are measured, never
 asserted against thresholds."""
@@ -6,7 +6,7 @@ asserted against thresholds."""
 import gc
 import json
 
-from launch import bench_policy
+from launch.bench import bench_policy
 
 
 def test_small_run_reports_eq1_errors_and_generation_time(tmp_path, capsys):
@@ -16,7 +16,7 @@ def test_small_run_reports_eq1_errors_and_generation_time(tmp_path, capsys):
     assert gc.isenabled(), "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "-m launch.bench_policy --small" in results["command"] and results["date"]
+    assert "-m launch.bench.bench_policy --small" in results["command"] and results["date"]
     assert "emulated/CPU" in printed and "(1) Eq. 1" in printed and "(2) generate_policies" in printed
 
     models = results["eq1"]["models"]

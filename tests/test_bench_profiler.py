@@ -1,4 +1,4 @@
-"""Test of the profiler-overhead benchmark (launch/bench_profiler.py) in its CPU dry mode.
+"""Test of the profiler-overhead benchmark (launch/bench/bench_profiler.py) in its CPU dry mode.
 
 That it runs and reports both ratios, and that the report is consistent with itself: each ratio is the one
 its raw rounds give, its 90% interval is the bootstrap of those rounds, and its verdict is the one that the
@@ -13,7 +13,7 @@ import statistics
 import pytest
 import torch
 
-from launch import bench_profiler
+from launch.bench import bench_profiler
 
 GOAL = 1.01
 

@@ -1,10 +1,10 @@
-"""Smoke test of launch/bench_recompute.py on its tiny configuration: every variant reports, and every one
+"""Smoke test of launch/bench/bench_recompute.py on its tiny configuration: every variant reports, and every one
 trains bit-identically to the unconstrained run. Timings are measured, never asserted."""
 
 import torch
 
 from chameleon_dist.device.presets import get_preset
-from launch import bench_recompute
+from launch.bench import bench_recompute
 
 
 def test_small_run_reports_every_variant_bit_identically(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""``launch/bench_scale.py --quick`` (issue 28): the script runs every variant end to end on a 2-layer Megatron-core
+"""``launch/experiments/bench_scale.py --quick`` (issue 28): the script runs every variant end to end on a 2-layer Megatron-core
 Llama on meta tensors, writes the JSON contract, the table and the plot, and its targets' arithmetic follows from
 its own rows. The figures themselves are not checked here (they are BENCHMARKS.md's)."""
 
@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from launch import bench_scale  # noqa: E402
-from launch.scale_runs import VARIANTS  # noqa: E402
+from launch.experiments import bench_scale  # noqa: E402
+from launch.experiments.scale_runs import VARIANTS  # noqa: E402
 
 ROW_KEYS = {"model", "preset", "budget", "variant", "fits", "ratio", "peak_bytes", "stall_s", "moved_share",
             "bound_share"}

@@ -1,5 +1,5 @@
-"""Smoke test of the sweep benchmark (launch/bench_sweep.py) on its tiny configuration, and of the pieces it
-shares with launch/bench_executor.py (shapes, FLOP count, balanced orders).
+"""Smoke test of the sweep benchmark (launch/bench/bench_sweep.py) on its tiny configuration, and of the pieces it
+shares with launch/bench/bench_executor.py (shapes, FLOP count, balanced orders).
 
 Only structure, bit-identity and the printed table: the timings themselves are measured, never asserted against
 thresholds."""
@@ -11,8 +11,8 @@ import json
 import torch
 
 from chameleon_dist.device.presets import get_preset
-from launch import bench_executor, bench_sweep
-from launch.toy_gpt import GPT, forward_matmul_flop
+from launch.bench import bench_executor, bench_sweep
+from launch.models.toy_gpt import GPT, forward_matmul_flop
 
 
 def test_small_sweep_reports_every_cell_and_target(tmp_path, capsys):
@@ -23,7 +23,7 @@ def test_small_sweep_reports_every_cell_and_target(tmp_path, capsys):
     assert torch.get_num_threads() == threads and gc.get_freeze_count() == frozen, "the test process is left as it was"
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
-    assert "-m launch.bench_sweep --small" in results["command"] and results["emulated"]
+    assert "-m launch.bench.bench_sweep --small" in results["command"] and results["emulated"]
     for key in ("model", "reference_llm", "links", "save_on_cpu", "cells", "rows", "targets"):
         assert key in results, key
 

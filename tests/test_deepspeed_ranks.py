@@ -205,7 +205,7 @@ def test_without_chameleon_the_tight_capacity_runs_out_of_memory(results, name):
 
 
 def test_the_comparison_tool_reads_the_reports(results, capsys):
-    from launch import compare_reports
+    from launch.bench import compare_reports
 
     paths = [results[f"zero2-{variant}"]["argv"] for variant in ("off", "on")]
     reference, chameleon = (argv[argv.index("--report") + 1] for argv in paths)

@@ -9,7 +9,7 @@ peak (the maximum over the plain run's iterations):
   eager expert loop: an expert that gets no token does not run, so the ops change with the routing;
 - ``mixtral_grouped``: the same model with the ``grouped_mm`` experts: one op for all experts, whose saved
   sizes per expert change with the routing (the ops do not);
-- ``top1_lengths``: a top-1 MoE of our own (``launch/toy_gpt.py``, idle experts skipped) whose sequence
+- ``top1_lengths``: a top-1 MoE of our own (``launch/models/toy_gpt.py``, idle experts skipped) whose sequence
   length cycles 32/48/64: the ops and the saved bytes move together every iteration.
 
 Targets (the issue's): at least 80% of the iterations after the first Stable one are Stable, at most one
@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from chameleon_dist.device.emulated import EmulatedDevice
-from launch import bench_dynamic
-from launch.toy_gpt import GPT
+from launch.bench import bench_dynamic
+from launch.models.toy_gpt import GPT
 from tests.scenario_models import one_thread
 from tests.trained_runs import ForwardBackward, Trained, assert_bit_identical, next_token_step, stages, train
 

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
-from launch.toy_gpt import GPT
+from launch.models.toy_gpt import GPT
 from tests.scenario_models import one_thread
 from tests.trained_runs import Trained
 from tests.trained_runs import assert_bit_identical as _assert_bit_identical

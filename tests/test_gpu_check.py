@@ -165,7 +165,7 @@ def test_copy_rates_are_the_devices_own_link_each_direction_and_both_at_once():
     """The probe's measurement over the backend's streams and events reads the link of the device it is given:
     a 4x faster H2D than D2H shows as 4x, and both directions at once are slower than either alone."""
     from chameleon_dist.device.emulated import EmulatedDevice
-    from launch.gpu_probes import measure_copy_rates
+    from launch.bench.gpu_probes import measure_copy_rates
 
     device = EmulatedDevice(2**30, d2h_bytes_per_s=1e10, h2d_bytes_per_s=4e10, duplex_factor=0.5, host_op_s=1e-9,
                             peak_flop_per_s=1e12, memory_bytes_per_s=1e12, launch_latency_s=1e-9)
@@ -206,7 +206,7 @@ def test_a_part_past_its_time_limit_ends_with_every_process_it_started(tmp_path)
 
 
 def test_the_probes_compare_a_gpu_with_the_preset_its_name_names():
-    from launch.gpu_probes import preset_for
+    from launch.bench.gpu_probes import preset_for
 
     assert preset_for("NVIDIA H200").name == "h200" and preset_for("NVIDIA H200 NVL").name == "h200"
     assert preset_for("NVIDIA GH200 480GB").name == "gh200"  # (not h200, which its name also holds)

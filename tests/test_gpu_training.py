@@ -25,7 +25,7 @@ from chameleon_dist.device.stream_device import EventTimer
 from chameleon_dist.profiler.recorder import TraceRecorder
 from chameleon_dist.profiler.signature import OpVocabulary
 from chameleon_dist.trace import StepTrace
-from launch.toy_gpt import GPT
+from launch.models.toy_gpt import GPT
 from tests.models import lm_batch, lm_loss, make_lm
 
 # cuBLAS is deterministic under torch.use_deterministic_algorithms only with a fixed workspace; it is read

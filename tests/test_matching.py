@@ -114,7 +114,7 @@ def test_sites_name_micro_batch_and_layer_and_an_unchanged_iteration_matches_exa
     """Through the runtime: the trace's sites (recorded by the executor) are the ones it meets again."""
     from chameleon_dist import Chameleon
     from chameleon_dist.device.emulated import EmulatedDevice
-    from launch.toy_gpt import GPT
+    from launch.models.toy_gpt import GPT
 
     tokens = torch.randint(0, 64, (2, 4, 33), generator=torch.Generator().manual_seed(0))
 

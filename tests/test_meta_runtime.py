@@ -16,7 +16,7 @@ from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.device.factory import make_device
 from chameleon_dist.device.host_pool import HostBufferPool
 from chameleon_dist.device.simulated.meta import meta_host_buffer
-from launch.toy_gpt import GPT
+from launch.models.toy_gpt import GPT
 
 VOCAB, HIDDEN, HEADS, LAYERS = 128, 64, 4, 2
 BATCH, SEQ = 4, 64

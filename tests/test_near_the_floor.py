@@ -6,7 +6,7 @@ retried after running out of memory, passive swaps in Stable stay at most one pe
 and every loss and gradient is ``torch.equal`` to the same loop without Chameleon.
 
 The device model is fixed (h100-pcie figures, 20 us of host time per op, a 1 GB/s link each way), so the
-figures repeat on any machine. Cases: the toy dense GPT of ``launch/toy_gpt.py``, and a dense
+figures repeat on any machine. Cases: the toy dense GPT of ``launch/models/toy_gpt.py``, and a dense
 ``transformers`` Llama (4 layers, length 128, the default ``use_cache=True``: its K/V cache stays on the
 device while the output lives), skipped without transformers.
 
@@ -23,7 +23,7 @@ import torch
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.policy.model import Decision
 from chameleon_dist.policy.simulator import Planned, simulate
-from launch.toy_gpt import GPT
+from launch.models.toy_gpt import GPT
 from tests.scenario_models import one_thread
 from tests.trained_runs import Trained, assert_bit_identical, next_token_step, train
 from tests.trained_runs import stages as _stages

@@ -17,7 +17,7 @@ import torch
 from chameleon_dist import Chameleon
 from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.profiler.scope import TrainingScope
-from launch.swiglu_lm import SwiGLULM
+from launch.models.swiglu_lm import SwiGLULM
 
 WIDTH, DEPTH, BATCH = 128, 6, 64
 STEPS = 24

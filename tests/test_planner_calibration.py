@@ -218,8 +218,8 @@ def test_the_producer_predicts_a_run_it_did_not_measure(tmp_path):
     import dataclasses
 
     from chameleon_dist.integrations.megatron.meta_models import megatron_meta_session
-    from launch.planner_calibration import measure, phase_seconds
-    from launch.scale_runs import Case, profiled_iteration
+    from launch.experiments.planner_calibration import measure, phase_seconds
+    from launch.experiments.scale_runs import Case, profiled_iteration
 
     (tmp_path / "tiny.yaml").write_text(TINY_MODEL)
     case = Case("tiny", str(tmp_path / "tiny.yaml"), 2)
@@ -242,8 +242,8 @@ def test_the_comparison_rows_put_the_calibrated_prediction_beside_the_simulation
     """``--compare``'s rows from a bench_scale-shaped result: the calibrated "none" prediction at the file's own
     shape is the sum of its times (no optimizer term: the simulated ranks run none), errors are against the
     simulated figure, and a failed run keeps its predictions but gets no error."""
-    from launch.planner_calibration import compare_rows, markdown, preset_hardware, summary
-    from launch.scale_runs import Case
+    from launch.experiments.planner_calibration import compare_rows, markdown, preset_hardware, summary
+    from launch.experiments.scale_runs import Case
 
     (tmp_path / "tiny.yaml").write_text(TINY_MODEL)
     case = Case("tiny", str(tmp_path / "tiny.yaml"), 2)

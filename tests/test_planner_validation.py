@@ -2,13 +2,13 @@
 
 Single-rank runs (TP = PP = DP = 1, fp32, Adam) with no, selective and full recomputation, and with the
 Chameleon runtime swapping every eligible saved tensor (what it does in its WarmUp iterations); the
-measurement helpers are those of ``python -m launch.reproduce_paper --validate``."""
+measurement helpers are those of ``python -m launch.experiments.reproduce_paper --validate``."""
 
 import pytest
 
 pytest.importorskip("chameleon_dist.integrations.megatron.gpt")
 
-from launch import reproduce_paper as script  # noqa: E402  (after the skip)
+from launch.experiments import reproduce_paper as script  # noqa: E402  (after the skip)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")
 

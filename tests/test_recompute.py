@@ -13,7 +13,7 @@ from chameleon_dist.device.emulated import EmulatedDevice
 from chameleon_dist.policy.generator import generate_policies
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Decision, Infeasibility
-from launch.swiglu_lm import SwiGLULM
+from launch.models.swiglu_lm import SwiGLULM
 from tests.models import train_next_token
 
 VOCAB, HIDDEN, LAYERS, BATCH, SEQ = 64, 64, 3, 2, 64

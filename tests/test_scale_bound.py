@@ -1,4 +1,4 @@
-"""``launch/scale_bound.py``: the saved-bytes counter and the fluid bound of ``launch/bench_scale.py``."""
+"""``launch/experiments/scale_bound.py``: the saved-bytes counter and the fluid bound of ``launch/experiments/bench_scale.py``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch.scale_bound import SavedBytesByLayer, link_bound
+from launch.experiments.scale_bound import SavedBytesByLayer, link_bound
 
 
 def test_counter_counts_a_storage_made_where_a_dead_one_was():

@@ -1,4 +1,4 @@
-"""``launch/scale_eq1.py``: per-op device times line up with a trace's ops, Eq. 1's and the calibrated
+"""``launch/experiments/scale_eq1.py``: per-op device times line up with a trace's ops, Eq. 1's and the calibrated
 estimate's errors against them, the policy comparison, and the CLI's JSON (2-layer Llamas on meta tensors)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from chameleon_dist.models.llama import LlamaShape, SwiGLU, build_llama
 from chameleon_dist.policy import PolicySettings
-from launch import scale_eq1
+from launch.experiments import scale_eq1
 
 SHAPE = LlamaShape(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, micro_batch_size=1,
                    ffn_hidden_size=128, vocab_size=256)

@@ -32,7 +32,7 @@ from chameleon_dist.policy.selection import IterationOutcome, PolicyController
 from chameleon_dist.policy.trials import policy_key
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
 from chameleon_dist.trace.step_trace import StepTrace
-from launch.toy_gpt import GPT
+from launch.models.toy_gpt import GPT
 from tests.scenario_models import bits_equal, one_thread
 
 MIB = 2**20

@@ -3,7 +3,7 @@ released after its forward (``stage3_max_reuse_distance: 0``): with Chameleon a 
 DeepSpeed holds, measured as the emulated device's live bytes and as the process's resident memory, and the
 emulated device counts the partitions and optimizer buffers DeepSpeed made before the first iteration.
 
-One batch of three jobs of ``launch/zero3_memory.py`` (``tests/rank_batch.py``): ``plain`` (DeepSpeed alone),
+One batch of three jobs of ``launch/experiments/zero3_memory.py`` (``tests/rank_batch.py``): ``plain`` (DeepSpeed alone),
 ``off`` (the runtime measuring only: no hooks) and ``on``. The first iteration is left out of the memory
 comparison (one-time allocations of every run); the weights are 12 layers of 4 MiB, the activations a few KiB.
 """

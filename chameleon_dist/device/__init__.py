@@ -7,11 +7,12 @@
 from chameleon_dist.device.base import CopyHandle, Device, byte_view
 from chameleon_dist.device.cost import KernelCostModel, is_host_sync
 from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.device.factory import make_device
+from chameleon_dist.device.factory import UNBOUNDED_CAPACITY_BYTES, make_device
 from chameleon_dist.device.host_pool import HostBufferPool
 from chameleon_dist.device.model import DeviceModel, measure_cpu_rates
 from chameleon_dist.device.simulated.hazards import StreamHazardError
-from chameleon_dist.device.simulated.memory import EmulatedOutOfMemoryError
+from chameleon_dist.device.simulated.backend import SimulatedBackend
+from chameleon_dist.device.simulated.memory import EmulatedOutOfMemoryError, storage_key
 from chameleon_dist.device.stream_device import StreamDevice
 from chameleon_dist.device.presets import PRESETS, AcceleratorPreset
 
@@ -26,11 +27,14 @@ __all__ = [
     "HostBufferPool",
     "KernelCostModel",
     "PRESETS",
+    "SimulatedBackend",
     "StreamDevice",
     "StreamHazardError",
+    "UNBOUNDED_CAPACITY_BYTES",
     "byte_view",
     "is_host_sync",
     "make_device",
+    "storage_key",
     "measure_cpu_rates",
 ]
 

@@ -27,7 +27,13 @@ from chameleon_dist.planner.profiles import (
     shipped_names,
 )
 from chameleon_dist.planner.search import Approach, Plan, PlanError, SearchResult, evaluate, search
-from chameleon_dist.planner.single_device import PhysicalBound, Prediction, physical_bound, predict_single_device
+from chameleon_dist.planner.single_device import (
+    PhysicalBound,
+    Prediction,
+    hardware_from_preset,
+    physical_bound,
+    predict_single_device,
+)
 from chameleon_dist.planner.space import SearchSpace
 from chameleon_dist.planner.timing import TimeBreakdown, iteration_time
 
@@ -36,6 +42,6 @@ __all__ = [
     "StageMemory", "layer_activations", "rank_peaks", "stage_memory", "stage_memory_swapping_everything",
     "HardwareProfile", "ModelProfile", "TrainingSetup", "load_hardware", "load_model", "load_profile", "shipped_names",
     "Approach", "Plan", "PlanError", "SearchResult", "SearchSpace", "evaluate", "search",
-    "PhysicalBound", "Prediction", "physical_bound", "predict_single_device",
+    "PhysicalBound", "Prediction", "hardware_from_preset", "physical_bound", "predict_single_device",
     "TimeBreakdown", "iteration_time",
 ]

@@ -12,6 +12,7 @@ from chameleon_dist.policy.layers import (
     eq1_error,
     eq1_group_times_s,
     logical_layers,
+    op_times_s,
 )
 from chameleon_dist.policy.model import POLICY_SCHEMA_VERSION, Decision, Infeasibility, LayerLoad, Policy, PolicyEntry
 from chameleon_dist.policy.simulator import Planned, SimResult, simulate
@@ -19,7 +20,7 @@ from chameleon_dist.policy.simulator import Planned, SimResult, simulate
 __all__ = [
     "Candidate", "Reduction", "find_candidates", "reduction_list", "score_candidates",
     "PolicySet", "PolicySettings", "generate_policies",
-    "Eq1Error", "LayerGroup", "calibrated_group_times_s", "eq1_error", "eq1_group_times_s", "logical_layers",
+    "Eq1Error", "LayerGroup", "calibrated_group_times_s", "eq1_error", "eq1_group_times_s", "logical_layers", "op_times_s",
     "POLICY_SCHEMA_VERSION", "Decision", "Infeasibility", "LayerLoad", "Policy", "PolicyEntry",
     "Planned", "SimResult", "simulate",
 ]

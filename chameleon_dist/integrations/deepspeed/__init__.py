@@ -9,10 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["initialize", "DeepSpeedChameleon"]
+# name -> the submodule that defines it, loaded on first use (``cpu`` imports no DeepSpeed: patch definitions)
+_LAZY = {"initialize": "engine", "install": "engine", "DeepSpeedChameleon": "engine", "CPU_PATCHES": "cpu"}
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("chameleon_dist.integrations.deepspeed.engine"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"chameleon_dist.integrations.deepspeed.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
