@@ -27,5 +27,10 @@ __all__ = ["CPU_PATCHES", "CudaLiteralsToCpu", *_LAZY]
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(f"chameleon_dist.integrations.megatron.{_LAZY[name]}"), name)
+        value = getattr(importlib.import_module(f"chameleon_dist.integrations.megatron.{_LAZY[name]}"), name)
+        # importing the submodule ``install`` bound the package's name ``install`` to the module; bind the name
+        # asked for instead, so that ``from chameleon_dist.integrations.megatron import install`` (the README's
+        # three lines) gives the function, not the module
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
