@@ -8,7 +8,7 @@
 - ``Learned``: how far under the budget the next policies aim, and the compute-time scale.
 
 Each is plain state with the few updates that belong to it; the decisions stay in the controller and in
-``policy.judgement``'s rules.
+``policy.judgement``'s rules and ``policy.stable``.
 """
 
 from __future__ import annotations

@@ -59,19 +59,18 @@ from chameleon_dist.policy.controller_state import (
     TrialRound,
 )
 from chameleon_dist.policy.generator import generate_policies
-from chameleon_dist.policy.in_place import InPlace
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.judgement import SLIGHTLY_SHORT_SHARE, Judgement, judge
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.outcome import IterationOutcome, RetryAction
 from chameleon_dist.policy.ranking import TrialRanking
 from chameleon_dist.policy.scaling import grown
-from chameleon_dist.policy.tightening import GROWTH_TOLERANCE, MAX_IN_PLACE_TIGHTENINGS, policies_for
+from chameleon_dist.policy.stable import StableDecisions
+from chameleon_dist.policy.tightening import GROWTH_TOLERANCE, MAX_IN_PLACE_TIGHTENINGS
 from chameleon_dist.policy.trials import (
     TrialResult,
     choose,
     compute_only,
-    fastest_fitting_else_lowest,
     next_trial,
     trial_feedback,
     trial_held,
@@ -124,7 +123,8 @@ class PolicyController:
     State, by what it is about (``policy.controller_state``): ``round`` (the GenPolicy stage's trials),
     ``stable`` (the chosen policy), ``baseline`` (what swapping everything measured), ``basis`` (what the
     latest generation worked from), ``profiled`` (the iteration it was built from) and ``learned`` (the
-    reserve aimed for, the compute-time scale); ``in_place`` sees them together for the judgement.
+    reserve aimed for, the compute-time scale); ``decisions`` (``policy.stable``) sees them together: it
+    chooses after the trials, changes the choice in place, and is what the judgement reads.
 
     Example::
 
@@ -148,8 +148,8 @@ class PolicyController:
         self.basis = GenerationBasis(min_swap_bytes=settings.min_swap_bytes)
         self.profiled = ProfiledIteration()
         self.learned = Learned()
-        self.in_place = InPlace(settings, capacity_bytes, self.stable, self.baseline, self.basis, self.round,
-                                self.profiled, self.learned)
+        self.decisions = StableDecisions(settings, capacity_bytes, self.stable, self.baseline, self.basis, self.round,
+                                         self.profiled, self.learned)
 
     # ---- read API ---------------------------------------------------------------------------
     @property
@@ -158,8 +158,8 @@ class PolicyController:
 
     @property
     def allowed_peak_bytes(self) -> int:
-        """What a policy must stay under (``InPlace.allowed_peak_bytes``)."""
-        return self.in_place.allowed_peak_bytes
+        """What a policy must stay under (``StableDecisions.allowed_peak_bytes``)."""
+        return self.decisions.allowed_peak_bytes
 
     @property
     def chosen(self) -> Policy | None:
@@ -288,7 +288,7 @@ class PolicyController:
         self._note_warmup(outcome)
         self.spread.note(outcome.saved_bytes_by_layer)
         self.profiled.note(outcome)  # the stall and saved bytes of the iteration the next policies are built from
-        return judge(outcome, self.in_place)
+        return judge(outcome, self.decisions)
 
     def _note_trial(self, outcome: IterationOutcome) -> None:
         """A GenPolicy trial: whether it held, recorded and fed back to the next generation."""
@@ -298,7 +298,7 @@ class PolicyController:
         held = trial_held(policy, outcome.peak_bytes, self.allowed_peak_bytes, outcome.passive_swaps,
                           outcome.oom_retries)
         # a trial on a shape larger than the traced one that failed, failed for the shape: no feedback
-        grew = self.in_place.growth(outcome) > 1 + GROWTH_TOLERANCE
+        grew = self.decisions.growth(outcome) > 1 + GROWTH_TOLERANCE
         self._record_trial(outcome, held, grew)
 
     def _note_warmup(self, outcome: IterationOutcome) -> None:
@@ -307,7 +307,7 @@ class PolicyController:
             return
         policy = outcome.policy
         self.stable.warmup_unsafe = bool(policy is not None and (outcome.oom_retries or (
-            outcome.passive_swaps and not self.in_place.expected_passive_swaps(policy, outcome))))
+            outcome.passive_swaps and not self.decisions.expected_passive_swaps(policy, outcome))))
 
     def follow(self, transition: Transition | None, outcome: IterationOutcome) -> None:
         """React to the stage machine's transition after ``outcome``'s iteration: a new GenPolicy stage
@@ -324,7 +324,7 @@ class PolicyController:
             self.round.need_policies = True
         elif transition.after == Stage.STABLE:
             self.round.repeat = None
-            self._choose()
+            self.decisions.choose_after_trials(self.ranking)
         elif transition.after == Stage.WARMUP and transition.before != Stage.WARMUP and (
             transition.cause == TransitionCause.OVER_BUDGET
             or (transition.cause == TransitionCause.PASSIVE_SWAP and outcome.passive_swaps)
@@ -349,7 +349,7 @@ class PolicyController:
     def _generate(self, trace: StepTrace, min_swap_bytes: int) -> None:
         basis = self.basis
         basis.min_swap_bytes = min_swap_bytes
-        settings = self.in_place.settings_now()
+        settings = self.decisions.settings_now()
         start = time.perf_counter()
         trace = self._expecting_variance(trace)
         result = generate_policies(trace, settings)
@@ -404,63 +404,13 @@ class PolicyController:
             trials.explore_bytes += feedback.explore_bytes
             trials.regenerate = True
             moved_bytes = feedback.miss_bytes + feedback.explore_bytes
-            aim_bytes = self.in_place.settings_now().reserve_bytes
+            aim_bytes = self.decisions.settings_now().reserve_bytes
             logger.info("policy %s %s %s: the next trials aim %s under the budget", policy.name, feedback.miss,
                         format_bytes(moved_bytes), format_bytes(aim_bytes))
 
     def _stricter_step_bytes(self) -> int:
         """``STRICTER_SHARE`` of the needed reduction of the latest trace (at least one byte)."""
         return max(1, int(STRICTER_SHARE * self.basis.needed_bytes))
-
-    def _choose(self) -> None:
-        """Keep what ``policy.trials.choose`` says: the fastest policy that held with headroom (how much one
-        policy's peak moved between its trials), the fastest that held when none has it, none (swap every
-        eligible tensor) when none held or when swapping everything was measured faster than every policy
-        that held."""
-        stable, results, swap_all_s = self.stable, self.round.results, self.baseline.iteration_s
-        stable.chosen = None
-        if not results:
-            return
-        choice = choose(results, self.allowed_peak_bytes, swap_all_s, self.ranking.margin)
-        if choice.best is None and not choice.swap_all_faster and self._choose_untried():
-            return
-        if choice.best is None:
-            logger.warning("%s; swapping every eligible tensor until the next policy", (
-                f"swapping everything was measured faster ({swap_all_s * 1e3:.1f} ms/iteration) than "
-                f"every policy that held" if choice.swap_all_faster else f"none of {len(results)} policy trials "
-                "held the memory budget" + (", none is predicted to fit, and swapping everything held in WarmUp without "
-                                            "passive swap" if self.baseline.held else "")
-                + " (lower memory_budget or min_swap_bytes if this repeats)"))
-            return
-        best = choice.best
-        # policies without trials (in place, grown shapes) start from what the chosen one aimed for
-        self.round.explore_bytes = max(0, int(best.policy.settings.get("reserve_bytes", 0)) - self.learned.reserve_bytes)
-        stable.headroom_bytes = choice.headroom_bytes
-        stable.choose(best.policy)
-        logger.info(
-            "policy %s chosen (v%d): %.1f ms/iteration, peak %s (headroom %s%s)%s", best.policy.name, stable.version,
-            best.iteration_s * 1e3, format_bytes(best.peak_bytes), format_bytes(stable.headroom_bytes),
-            "" if choice.roomy else "; no trial had it",
-            f"; predicted short, passive swap takes {format_bytes(best.passive_swap_bytes)}"
-            if best.passive_swap_bytes else "",
-        )
-
-    def _choose_untried(self) -> bool:
-        """None of the trials held: rather than swap everything, apply (untried) the policy the trials'
-        feedback made stricter: the fastest predicted to fit, else the one predicted lowest. If it does not
-        hold either, Stable's own checks send the runtime back to WarmUp. False when there is no trace, or
-        when none is predicted to fit and swapping everything held in WarmUp without passive swap (issue 27:
-        a policy predicted short that no trial confirmed would lean on passive swap every iteration)."""
-        if self.basis.trace is None:
-            return False
-        policies = policies_for(self.basis.trace, 1.0, self.in_place.settings_now())
-        if not policies or (self.baseline.held and not any(p.feasible for p in policies)):
-            return False  # (none predicted to fit, where swapping everything held: that is kept instead)
-        self.stable.choose(fastest_fitting_else_lowest(policies))
-        logger.warning("none of %d policy trials held the memory budget; policy %s, stricter by their feedback "
-                       "(aiming %s under the budget), chosen untried (v%d)", len(self.round.results),
-                       self.stable.chosen.name, format_bytes(self.learned.reserve_bytes), self.stable.version)
-        return True
 
     def _tighten(self, failed: Policy | None, missed_bytes: int = 0) -> None:
         """A policy stopped holding (out of memory, a passive swap, a Stable peak over the budget): the next

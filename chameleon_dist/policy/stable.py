@@ -1,9 +1,10 @@
-"""``InPlace``: what the chosen policy may do without new trials, and what the judgement rules read.
+"""``StableDecisions``: which policy Stable applies, chosen after the trials or changed in place.
 
-It is the ``PolicyController``'s ``policy.judgement.JudgedState``: the controller's parts seen together
-(the chosen policy, the swap-everything baseline, the generation's basis, the trials, what was learned),
-with the three changes a Stable iteration may make in place: scaling the chosen policy for a grown shape,
-tightening it from the same trace, and swapping everything instead.
+It sees the ``PolicyController``'s parts together (the chosen policy, the swap-everything baseline, the
+generation's basis, the trials, what was learned) and is the ``policy.judgement.JudgedState`` the rules
+read. It makes the choice when the trials are done (``choose_after_trials``: the fastest that held, one
+untried, or swapping everything) and the three changes a Stable iteration may make in place: scaling the
+chosen policy for a grown shape, tightening it from the same trace, and swapping everything instead.
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ from chameleon_dist.policy.controller_state import (
 from chameleon_dist.policy.inputs import PolicySettings
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.outcome import IterationOutcome
+from chameleon_dist.policy.ranking import TrialRanking
 from chameleon_dist.policy.tightening import GROWTH_TOLERANCE, MAX_IN_PLACE_TIGHTENINGS, policies_for, stricter_than
-from chameleon_dist.policy.trials import fastest_fitting_else_lowest, passive_swaps_expected
+from chameleon_dist.policy.trials import choose, fastest_fitting_else_lowest, passive_swaps_expected
 from chameleon_dist.units import format_bytes
 
-__all__ = ["InPlace"]
+__all__ = ["StableDecisions"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class InPlace:
-    """The controller's parts as the judgement reads them, and the in-place changes of the chosen policy
-    (each answers whether it changed it)."""
+class StableDecisions:
+    """The controller's parts as the judgement reads them, the choice after the trials, and the in-place
+    changes of the chosen policy (each answers whether it changed it)."""
 
     settings: PolicySettings
     capacity_bytes: int | None
@@ -91,6 +93,57 @@ class InPlace:
         now under the budget, plus what this GenPolicy stage explores (or the chosen policy explored)."""
         reserve_bytes = min(self.settings.budget_bytes, self.learned.reserve_bytes + self.round.explore_bytes)
         return dataclasses.replace(self.settings, min_swap_bytes=self.basis.min_swap_bytes, reserve_bytes=reserve_bytes)
+
+    # ---- the choice after the trials -------------------------------------------------------
+    def choose_after_trials(self, ranking: TrialRanking) -> None:
+        """The trials are done: keep what ``policy.trials.choose`` says, the fastest policy that held with
+        headroom (how much one policy's peak moved between its trials), the fastest that held when none has
+        it, one untried (``choose_untried``) or none (swap every eligible tensor) when none held, none when
+        swapping everything was measured faster than every policy that held."""
+        stable, results, swap_all_s = self.stable, self.round.results, self.baseline.iteration_s
+        stable.chosen = None
+        if not results:
+            return
+        choice = choose(results, self.allowed_peak_bytes, swap_all_s, ranking.margin)
+        if choice.best is None and not choice.swap_all_faster and self.choose_untried():
+            return
+        if choice.best is None:
+            logger.warning("%s; swapping every eligible tensor until the next policy", (
+                f"swapping everything was measured faster ({swap_all_s * 1e3:.1f} ms/iteration) than "
+                f"every policy that held" if choice.swap_all_faster else f"none of {len(results)} policy trials "
+                "held the memory budget" + (", none is predicted to fit, and swapping everything held in WarmUp without "
+                                            "passive swap" if self.baseline.held else "")
+                + " (lower memory_budget or min_swap_bytes if this repeats)"))
+            return
+        best = choice.best
+        # policies without trials (in place, grown shapes) start from what the chosen one aimed for
+        self.round.explore_bytes = max(0, int(best.policy.settings.get("reserve_bytes", 0)) - self.learned.reserve_bytes)
+        stable.headroom_bytes = choice.headroom_bytes
+        stable.choose(best.policy)
+        logger.info(
+            "policy %s chosen (v%d): %.1f ms/iteration, peak %s (headroom %s%s)%s", best.policy.name, stable.version,
+            best.iteration_s * 1e3, format_bytes(best.peak_bytes), format_bytes(stable.headroom_bytes),
+            "" if choice.roomy else "; no trial had it",
+            f"; predicted short, passive swap takes {format_bytes(best.passive_swap_bytes)}"
+            if best.passive_swap_bytes else "",
+        )
+
+    def choose_untried(self) -> bool:
+        """None of the trials held: rather than swap everything, apply (untried) the policy the trials'
+        feedback made stricter: the fastest predicted to fit, else the one predicted lowest. If it does not
+        hold either, Stable's own checks send the runtime back to WarmUp. False when there is no trace, or
+        when none is predicted to fit and swapping everything held in WarmUp without passive swap (issue 27:
+        a policy predicted short that no trial confirmed would lean on passive swap every iteration)."""
+        if self.basis.trace is None:
+            return False
+        policies = policies_for(self.basis.trace, 1.0, self.settings_now())
+        if not policies or (self.baseline.held and not any(p.feasible for p in policies)):
+            return False  # (none predicted to fit, where swapping everything held: that is kept instead)
+        self.stable.choose(fastest_fitting_else_lowest(policies))
+        logger.warning("none of %d policy trials held the memory budget; policy %s, stricter by their feedback "
+                       "(aiming %s under the budget), chosen untried (v%d)", len(self.round.results),
+                       self.stable.chosen.name, format_bytes(self.learned.reserve_bytes), self.stable.version)
+        return True
 
     # ---- what the rules change --------------------------------------------------------------
     def scale_for(self, outcome: IterationOutcome) -> bool:
