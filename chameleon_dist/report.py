@@ -25,7 +25,7 @@ _JSON_ORDER = (
     "pressure_waits", "policy", "matched_exact", "matched_fuzzy", "unmatched", "on_demand_fetches", "sequence_differs",
     "reused_original_bytes", "delayed_swap_outs", "late_swap_outs", "recomputed_bytes", "recompute_unavailable",
     "sequence_change_kind", "skipped_entries", "tightened_in_place", "failed", "error", "evicted_prefetches", "rank",
-    "host_memory_budget_bytes", "iteration_s_lag",
+    "host_memory_budget_bytes", "iteration_s_lag", "verdict_rule",
 )
 
 _NESTED = ("swaps", "comparison", "transition")  # flattened by ``to_dict``
@@ -98,6 +98,7 @@ class IterationReport:
     rank: str = ""  # the rank's coordinates in a distributed job (``RankCoordinates.label``); "" alone
     host_memory_budget_bytes: int | None = None  # this rank's host budget (a share of the node's RAM); None: unbounded
     iteration_s_lag: int = 0  # iterations ``iteration_s`` lags (Stable: usually 1; see above)
+    verdict_rule: str | None = None  # the policy controller's rule that judged it (``policy.judgement``); None: failed
 
     # ---- the executor's counts, read through (``swaps``) ----
     swap_out_bytes = _swap_figure("swap_out_bytes")

@@ -295,7 +295,7 @@ class Chameleon:
         self.controller.follow(profile.transition, outcome)
         self.last_report = IterationReport.completed(
             self._iteration, iteration_s, profile, tightened_in_place=verdict.tightened_in_place,
-            iteration_s_lag=iteration_s_lag, **self._measured_fields(running),
+            verdict_rule=verdict.rule, iteration_s_lag=iteration_s_lag, **self._measured_fields(running),
         )
         logger.debug("%s", self.last_report)
         self.device.host_pool.log_pageable_fallbacks(self._iteration)  # (NOTE [A fragmented arena], host_pool.py)

@@ -55,6 +55,7 @@ class Verdict:
     absorbed_passive_swaps: int = 0
     tightened_in_place: bool = False
     more_trials: bool = False  # GenPolicy: a close pair of trials is tried again before Stable (``policy.ranking``)
+    rule: str = ""  # the judgement rule that decided (``policy.judgement.RULES``); "": none (not judged)
 
 
 class RetryCause(enum.StrEnum):
