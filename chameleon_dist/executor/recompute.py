@@ -267,9 +267,11 @@ class StorageHolders:
         self._saves: dict[int, tuple[weakref.ReferenceType, weakref.ReferenceType]] = {}
         self._parameters: dict[int, weakref.ReferenceType] = {}
 
-    def clear(self) -> None:
-        """A new attempt: the saves of the last one are gone (the parameters stay)."""
-        self._saves.clear()
+    def next_attempt(self) -> "StorageHolders":
+        """The holders of a new attempt: none of this one's saves, the same parameters."""
+        holders = StorageHolders()
+        holders._parameters = self._parameters  # (``set_parameters`` rebinds it, never changes it in place)
+        return holders
 
     def set_parameters(self, tensors) -> None:
         """The protected parameters and buffers now."""
