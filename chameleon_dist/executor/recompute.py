@@ -174,9 +174,6 @@ class ProducerLog:
         self._replays_exactly = ReplayJudge()
         self._written = WrittenTensors()
 
-    def clear(self) -> None:
-        self._ops.clear()
-
     def note(self, func, args, kwargs, out) -> None:
         outputs = out if type(out) is tuple or type(out) is list else (out,)
         holder_of = self._holder_of
