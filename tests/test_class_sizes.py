@@ -17,6 +17,7 @@ MAX_CORE = 14
 # The classes held to ``MAX_CORE``: the swap executor and each part of the policy controller (issue 38 item 2).
 # The lead completes this list with the classes of the controller's new state modules once they are merged.
 CORE_CLASSES = {
+    "executor/swap.py": {"SwapExecutor"},
     "policy/selection.py": {"PolicyController"},
 }
 
