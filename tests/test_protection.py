@@ -7,7 +7,7 @@ import numpy
 import torch
 
 from chameleon_dist.device.emulated import EmulatedDevice
-from chameleon_dist.executor import swap
+from chameleon_dist.executor import protection, swap
 
 
 def test_a_freed_protected_storage_does_not_protect_the_next_one_at_its_address(monkeypatch):
@@ -16,7 +16,7 @@ def test_a_freed_protected_storage_does_not_protect_the_next_one_at_its_address(
     counted them movable: policy entries did not fire and peaks went over their predictions."""
     # The allocator reuses a freed storage's address only now and then; two storages over one numpy buffer
     # share their data address for sure, so the test keys storages by it (as the allocator would hand it on).
-    monkeypatch.setattr(swap, "storage_key", lambda storage: storage.data_ptr())
+    monkeypatch.setattr(protection, "storage_key", lambda storage: storage.data_ptr())  # (where protection keys)
     executor = swap.SwapExecutor(EmulatedDevice(2**30), min_swap_bytes=0)
     memory = numpy.zeros(4096, dtype=numpy.float32)
     gathered = torch.from_numpy(memory)

@@ -108,7 +108,7 @@ def test_input_changed_in_place_after_the_save_raises():
     executor = SwapExecutor(device, min_swap_bytes=0)
     x = torch.randn(64, 64, requires_grad=True)
     w = torch.randn(64, 64, requires_grad=True)
-    log = ProducerLog(executor._holders.holder_of)
+    log = ProducerLog(executor._attempt.holders.holder_of)
     with device.active():
         h = x * 2  # not a leaf: its storage is an activation
         device.track(h)
@@ -129,7 +129,7 @@ def test_a_producer_whose_result_object_died_is_still_found():
     from chameleon_dist.executor.recompute import ProducerLog
 
     executor = SwapExecutor(EmulatedDevice(10**9), min_swap_bytes=0)
-    log = ProducerLog(executor._holders.holder_of)
+    log = ProducerLog(executor._attempt.holders.holder_of)
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     out = torch.ops.aten.mm.default(a, b)
     log.note(torch.ops.aten.mm.default, (a, b), {}, out)

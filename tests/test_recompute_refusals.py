@@ -116,7 +116,7 @@ def test_the_producer_log_asks_the_same_judge():
     """Ops a name check let through: atomics (bincount), uninitialised memory (empty), an input written in
     place after the op ran (unseen by the log: only its version counter says so)."""
     executor = SwapExecutor(EmulatedDevice(10**9), min_swap_bytes=0)
-    log = ProducerLog(executor._holders.holder_of)
+    log = ProducerLog(executor._attempt.holders.holder_of)
     ints = torch.tensor([1, 2, 2, 5])
     counts = torch.ops.aten.bincount.default(ints)
     log.note(torch.ops.aten.bincount.default, (ints,), {}, counts)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import logging
 from typing import Callable
 
@@ -80,6 +81,95 @@ def plain_host_allocator(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+class IdleBuffers:
+    """The pool's idle (cached) buffers, by release order and by size: the most recently released of a size is
+    reused first, the least recently released of all is evicted first. The pool counts their bytes."""
+
+    def __init__(self) -> None:
+        self._stamp = 0
+        self._by_stamp: collections.OrderedDict[int, tuple[int, torch.Tensor]] = collections.OrderedDict()
+        self._by_size: dict[int, collections.deque[int]] = {}  # size -> stamps, oldest first
+        self._sizes: list[int] = []  # sorted sizes that have idle buffers
+
+    def __bool__(self) -> bool:
+        return bool(self._by_stamp)
+
+    def values(self):
+        """(size, buffer) of every idle buffer, oldest first."""
+        return self._by_stamp.values()
+
+    def add(self, nbytes: int, buffer: torch.Tensor) -> None:
+        """``buffer`` (``nbytes`` long) is idle, the most recently released."""
+        self._stamp += 1
+        self._by_stamp[self._stamp] = (nbytes, buffer)
+        stamps = self._by_size.get(nbytes)
+        if stamps is None:
+            stamps = self._by_size[nbytes] = collections.deque()
+            bisect.insort(self._sizes, nbytes)
+        stamps.append(self._stamp)
+
+    def take(self, nbytes: int, slack_fraction: float) -> tuple[int, torch.Tensor] | None:
+        """The most recently released idle buffer of the smallest size in [nbytes, nbytes x (1 + slack)], with
+        its size, taken out; None when there is none."""
+        index = bisect.bisect_left(self._sizes, nbytes)
+        if index == len(self._sizes):
+            return None
+        size = self._sizes[index]
+        if size != nbytes and (nbytes == 0 or size > nbytes + nbytes * slack_fraction):
+            return None
+        stamps = self._by_size[size]
+        _, buf = self._by_stamp.pop(stamps.pop())
+        if not stamps:
+            self._drop_size(size)
+        return size, buf
+
+    def take_oldest(self) -> int:
+        """Take out the least recently released idle buffer (there is one); returns its size."""
+        _stamp, (size, _buf) = self._by_stamp.popitem(last=False)
+        stamps = self._by_size[size]
+        stamps.popleft()  # the oldest of its size is the oldest overall among them
+        if not stamps:
+            self._drop_size(size)
+        return size
+
+    def _drop_size(self, size: int) -> None:
+        del self._by_size[size]
+        del self._sizes[bisect.bisect_left(self._sizes, size)]
+
+
+class RecentPeaks:
+    """The peak bytes in use of the current cycle of use and of the last ``window_cycles`` ones (a cycle ends
+    each time nothing is in use any more): what the idle buffers are capped by."""
+
+    def __init__(self, window_cycles: int) -> None:
+        self.cycle_bytes = 0
+        self._recent_bytes: collections.deque[int] = collections.deque(maxlen=window_cycles)
+
+    def note(self, in_use_bytes: int) -> None:
+        self.cycle_bytes = max(self.cycle_bytes, in_use_bytes)
+
+    def end_cycle(self) -> None:
+        self._recent_bytes.append(self.cycle_bytes)
+        self.cycle_bytes = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest of the current cycle's peak and the recent ones."""
+        return max(max(self._recent_bytes, default=0), self.cycle_bytes)
+
+
+@dataclasses.dataclass
+class PageableLoans:
+    """The pageable buffers lent in place of a fragmented arena's free bytes (NOTE [A fragmented arena])."""
+
+    lent: dict[int, int] = dataclasses.field(default_factory=dict)  # host_key -> aligned bytes lent pageable
+    in_use_bytes: int = 0
+    fallbacks: int = 0
+    fallback_bytes: int = 0
+    logged_fallbacks: int = 0  # as of the last ``log_pageable_fallbacks``
+    logged_fallback_bytes: int = 0
+
+
 class HostBufferPool:
     """Thread-safe host buffer pool bounded by ``budget_bytes`` (``None`` = unbounded) and, for idle
     buffers, by ``idle_cap_factor`` x the peak in use over the last ``window_cycles`` cycles."""
@@ -105,13 +195,9 @@ class HostBufferPool:
         self.reuse_slack_fraction = reuse_slack_fraction
         self._allocate = allocate
         self._lock = DeferringLock()  # finalizers release buffers: possibly inside acquire (host_lock.py)
-        self._stamp = 0
-        self._idle: collections.OrderedDict[int, tuple[int, torch.Tensor]] = collections.OrderedDict()  # oldest first
-        self._idle_by_size: dict[int, collections.deque[int]] = {}  # size -> stamps, oldest first
-        self._idle_sizes: list[int] = []  # sorted sizes that have idle buffers
+        self._idle = IdleBuffers()
         self._lent: dict[int, torch.Tensor] = {}  # host_key of a lent view -> the larger buffer it views
-        self._cycle_peak_bytes = 0
-        self._recent_peaks_bytes: collections.deque[int] = collections.deque(maxlen=window_cycles)
+        self._peaks = RecentPeaks(window_cycles)
         self.in_use_bytes = 0
         self.cached_bytes = 0
         self.peak_reserved_bytes = 0
@@ -123,11 +209,22 @@ class HostBufferPool:
         self.arena_attempted = False
         self.in_use_aligned_bytes = 0  # in use, each buffer rounded up as the arena would lend it
         self.peak_in_use_aligned_bytes = 0  # the arena's size (reserve_arena)
-        self._pageable: dict[int, int] = {}  # host_key -> aligned bytes lent pageable (NOTE [A fragmented arena])
-        self.pageable_in_use_bytes = 0
-        self.pageable_fallbacks = 0
-        self.pageable_fallback_bytes = 0
-        self._fallbacks_logged = self._fallback_bytes_logged = 0
+        self._pageable = PageableLoans()  # (NOTE [A fragmented arena])
+
+    @property
+    def pageable_in_use_bytes(self) -> int:
+        """Aligned bytes lent pageable now, in place of the fragmented arena's free bytes."""
+        return self._pageable.in_use_bytes
+
+    @property
+    def pageable_fallbacks(self) -> int:
+        """Pageable buffers lent so far (NOTE [A fragmented arena])."""
+        return self._pageable.fallbacks
+
+    @property
+    def pageable_fallback_bytes(self) -> int:
+        """Bytes of the pageable buffers lent so far."""
+        return self._pageable.fallback_bytes
 
     def adopt_budget(self, budget_bytes: int | None) -> None:
         """Take ``budget_bytes`` as the budget of a pool made without one (a device built before its runtime's
@@ -166,9 +263,10 @@ class HostBufferPool:
     def log_pageable_fallbacks(self, iteration: int) -> int:
         """Log the pageable fallbacks since the last call (NOTE [A fragmented arena]); returns their number."""
         with self._lock:
-            count = self.pageable_fallbacks - self._fallbacks_logged
-            nbytes = self.pageable_fallback_bytes - self._fallback_bytes_logged
-            self._fallbacks_logged, self._fallback_bytes_logged = self.pageable_fallbacks, self.pageable_fallback_bytes
+            loans = self._pageable
+            count = loans.fallbacks - loans.logged_fallbacks
+            nbytes = loans.fallback_bytes - loans.logged_fallback_bytes
+            loans.logged_fallbacks, loans.logged_fallback_bytes = loans.fallbacks, loans.fallback_bytes
         if count:
             logger.info("iteration %d: %d host buffer%s (%s) pageable for one copy: the pinned arena of %s was "
                         "fragmented (%s in all so far); synchronous copies, slower, never wrong", iteration, count,
@@ -179,8 +277,7 @@ class HostBufferPool:
     @property
     def idle_cap_bytes(self) -> int:
         """The most idle bytes kept now: ``idle_cap_factor`` x the recent peak in use."""
-        recent_bytes = max(self._recent_peaks_bytes, default=0)
-        return int(self.idle_cap_factor * max(recent_bytes, self._cycle_peak_bytes))
+        return int(self.idle_cap_factor * self._peaks.peak_bytes)
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A uint8 host buffer of exactly ``nbytes`` elements, or ``None`` when the budget has no room."""
@@ -229,19 +326,13 @@ class HostBufferPool:
             nbytes = base.numel()
             self.in_use_bytes -= nbytes
             self.in_use_aligned_bytes -= _aligned(nbytes)
-            pageable_bytes = self._pageable.pop(host_key(base), None) if nbytes else None
+            pageable_bytes = self._pageable.lent.pop(host_key(base), None) if nbytes else None
             if pageable_bytes is not None:  # freed, not cached (NOTE [A fragmented arena])
-                self.pageable_in_use_bytes -= pageable_bytes
+                self._pageable.in_use_bytes -= pageable_bytes
                 self._end_cycle_if_idle_locked()
                 return
             self.cached_bytes += nbytes
-            self._stamp += 1
-            self._idle[self._stamp] = (nbytes, base)
-            stamps = self._idle_by_size.get(nbytes)
-            if stamps is None:
-                stamps = self._idle_by_size[nbytes] = collections.deque()
-                bisect.insort(self._idle_sizes, nbytes)
-            stamps.append(self._stamp)
+            self._idle.add(nbytes, base)
             self._end_cycle_if_idle_locked()
             over_bytes = self.cached_bytes - self.idle_cap_bytes
             if over_bytes > 0:
@@ -255,8 +346,7 @@ class HostBufferPool:
     # ---- internals (called with the lock held) ----------------------------------------------
     def _end_cycle_if_idle_locked(self) -> None:
         if self.in_use_bytes == 0:  # a cycle of use ended
-            self._recent_peaks_bytes.append(self._cycle_peak_bytes)
-            self._cycle_peak_bytes = 0
+            self._peaks.end_cycle()
 
     def _arena_fragmented_for_locked(self, nbytes: int) -> bool:
         """The arena's free bytes, less what pageable fallbacks stand in for, would hold ``nbytes`` but no
@@ -267,11 +357,11 @@ class HostBufferPool:
 
     def _pageable_fallback_locked(self, nbytes: int) -> torch.Tensor:
         """A pageable buffer for one copy, in place of the fragmented arena's free bytes."""
-        buffer = plain_host_allocator(nbytes)
-        self._pageable[host_key(buffer)] = _aligned(nbytes)
-        self.pageable_in_use_bytes += _aligned(nbytes)
-        self.pageable_fallbacks += 1
-        self.pageable_fallback_bytes += nbytes
+        buffer, loans = plain_host_allocator(nbytes), self._pageable
+        loans.lent[host_key(buffer)] = _aligned(nbytes)
+        loans.in_use_bytes += _aligned(nbytes)
+        loans.fallbacks += 1
+        loans.fallback_bytes += nbytes
         self._note_in_use_locked(nbytes)
         return buffer
 
@@ -279,7 +369,7 @@ class HostBufferPool:
         self.in_use_bytes += nbytes
         self.in_use_aligned_bytes += _aligned(nbytes)
         self.peak_in_use_aligned_bytes = max(self.peak_in_use_aligned_bytes, self.in_use_aligned_bytes)
-        self._cycle_peak_bytes = max(self._cycle_peak_bytes, self.in_use_bytes)
+        self._peaks.note(self.in_use_bytes)
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
 
@@ -300,33 +390,18 @@ class HostBufferPool:
 
     def _take_idle_locked(self, nbytes: int) -> torch.Tensor | None:
         """The most recently released idle buffer of the smallest size in [nbytes, nbytes x (1 + slack)]."""
-        index = bisect.bisect_left(self._idle_sizes, nbytes)
-        if index == len(self._idle_sizes):
+        taken = self._idle.take(nbytes, self.reuse_slack_fraction)
+        if taken is None:
             return None
-        size = self._idle_sizes[index]
-        if size != nbytes and (nbytes == 0 or size > nbytes + nbytes * self.reuse_slack_fraction):
-            return None
-        stamps = self._idle_by_size[size]
-        _, buf = self._idle.pop(stamps.pop())
-        if not stamps:
-            self._drop_size_locked(size)
+        size, buf = taken
         self.cached_bytes -= size
         return buf
-
-    def _drop_size_locked(self, size: int) -> None:
-        del self._idle_by_size[size]
-        del self._idle_sizes[bisect.bisect_left(self._idle_sizes, size)]
 
     def _evict_locked(self, want_bytes: int) -> int:
         """Free idle buffers, least recently released first, until ``want_bytes`` are freed or none is left."""
         freed = 0
         while self._idle and freed < want_bytes:
-            stamp, (size, _buf) = self._idle.popitem(last=False)
-            stamps = self._idle_by_size[size]
-            stamps.popleft()  # the oldest of its size is the oldest overall among them
-            if not stamps:
-                self._drop_size_locked(size)
-            freed += size
+            freed += self._idle.take_oldest()
         self.cached_bytes -= freed
         self.evicted_bytes += freed
         return freed

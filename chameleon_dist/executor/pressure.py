@@ -38,54 +38,39 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
 from chameleon_dist.executor.records import SwappedTensor
 from chameleon_dist.units import format_bytes
 
 if TYPE_CHECKING:
     from chameleon_dist.device.base import Device
+    from chameleon_dist.executor.attempt import SwapAttempt
     from chameleon_dist.executor.context import SwapCounters
     from chameleon_dist.executor.records import KeptTensor, SwapEntry
-    from chameleon_dist.executor.schedule import PlacedSchedule
 
 logger = logging.getLogger(__name__)
 
 
 class PressureRelief:
-    """The memory-pressure steps (NOTE [Relief under pressure]) of one ``SwapExecutor``, over what it hands in.
+    """The memory-pressure steps (NOTE [Relief under pressure]) of one ``SwapExecutor``, over the attempt it
+    hands in with each call (``SwapAttempt``: its placed swap-outs, swapped entries in save order and kept
+    tensors, all weakly held).
 
     Args:
         device: the executor's device.
-        counters: this iteration's counters (the executor makes new ones per iteration).
-        schedule: the placed swap-outs, releases and swap-ins of the attempt.
-        entries: the swapped entries in save order (weakly held; the executor clears the list in place).
-        kept: the kept tensors a passive swap may take (weakly held; cleared in place likewise).
-        entry_for: makes (or finds) the entry a kept tensor leaves the device with; None when the host
-            budget has no room.
+        entry_for: makes (or finds) the entry a kept tensor leaves the device with, read back on ``reader``;
+            None when the host budget has no room.
         issue_pending_swap_outs: issues every placed swap-out not issued yet, now.
-        prefetching: whether the allocation under pressure is itself a prefetch (then step 2 is skipped).
     """
 
     def __init__(
         self,
         device: "Device",
-        counters: Callable[[], "SwapCounters"],
-        schedule: "PlacedSchedule",
-        entries: list[weakref.ReferenceType["SwapEntry"]],
-        kept: list[weakref.ReferenceType["KeptTensor"]],
-        entry_for: Callable[[torch.Tensor], "SwapEntry | None"],
+        entry_for: Callable[..., "SwapEntry | None"],
         issue_pending_swap_outs: Callable[[], None],
-        prefetching: Callable[[], bool],
     ) -> None:
         self._device = device
-        self._counters = counters
-        self._schedule = schedule
-        self._entries = entries
-        self._kept = kept
         self._entry_for = entry_for
         self._issue_pending_swap_outs = issue_pending_swap_outs
-        self._prefetching = prefetching
 
     def _enough(self, freed_bytes: int, short_bytes: int) -> bool:
         """The request under pressure fits now (where the device can tell), else ``short_bytes`` are freed."""
@@ -93,31 +78,31 @@ class PressureRelief:
         fits = request_fits() if request_fits is not None else None
         return fits if fits is not None else freed_bytes >= short_bytes
 
-    def relieve(self, short_bytes: int) -> int:
+    def relieve(self, short_bytes: int, attempt: "SwapAttempt", counters: "SwapCounters") -> int:
         """Free device memory until the request under pressure fits (or ``short_bytes`` are freed, where the
-        device cannot tell); returns the bytes freed."""
-        counters = self._counters()
+        device cannot tell), from what ``attempt`` holds; count it on ``counters``. Returns the bytes freed."""
         before = self._device.live_bytes()
-        if self._schedule.swap_outs:
+        if attempt.placed.swap_outs:
             self._issue_pending_swap_outs()
         self._device.release_all_sources()  # stream-ordered: each block's reuse waits for its copy, the host does not
         freed = max(before - self._device.live_bytes(), 0)
         waited = freed > 0
-        if not self._enough(freed, short_bytes) and not self._prefetching():
-            freed += self._evict_prefetches(short_bytes - freed, counters)
+        if not self._enough(freed, short_bytes) and not attempt.prefetching:
+            freed += self._evict_prefetches(short_bytes - freed, attempt.order, counters)
         passive_swaps = counters.passive_swaps
-        if not self._enough(freed, short_bytes) and self._kept:
-            freed += self._passive_swap(short_bytes - freed, counters)
+        if not self._enough(freed, short_bytes) and attempt.kept:
+            freed += self._passive_swap(short_bytes - freed, attempt.kept, counters)
         if waited and counters.passive_swaps == passive_swaps:
             counters.pressure_waits += 1
         logger.debug("memory pressure (%s short): released %s", format_bytes(short_bytes), format_bytes(freed))
         return freed
 
-    def _evict_prefetches(self, short_bytes: int, counters: "SwapCounters") -> int:
+    def _evict_prefetches(self, short_bytes: int, entries: list[weakref.ReferenceType["SwapEntry"]],
+                          counters: "SwapCounters") -> int:
         """Step 2: restored bytes with a host copy to come back from go, the earliest saved (needed last)
         first. Memory comes free only where nothing else holds the bytes (an op using them now does)."""
         freed = 0
-        for ref in self._entries:
+        for ref in entries:
             if self._enough(freed, short_bytes):
                 break
             entry = ref()
@@ -136,9 +121,10 @@ class PressureRelief:
             freed += max(before - self._device.live_bytes(), 0)
         return freed
 
-    def _passive_swap(self, short_bytes: int, counters: "SwapCounters") -> int:
+    def _passive_swap(self, short_bytes: int, kept_refs: list[weakref.ReferenceType["KeptTensor"]],
+                      counters: "SwapCounters") -> int:
         """Step 3: idle kept tensors leave the device synchronously, best fit first."""
-        kept = [k for k in (ref() for ref in self._kept) if k is not None and k.swapped is None and k.tensor is not None]
+        kept = [k for k in (ref() for ref in kept_refs) if k is not None and k.swapped is None and k.tensor is not None]
         # best fit: the smallest that covers the shortfall, then the largest ones
         kept.sort(key=lambda k: (k.nbytes < short_bytes, k.nbytes if k.nbytes >= short_bytes else -k.nbytes))
         freed = 0

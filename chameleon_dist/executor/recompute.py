@@ -174,9 +174,6 @@ class ProducerLog:
         self._replays_exactly = ReplayJudge()
         self._written = WrittenTensors()
 
-    def clear(self) -> None:
-        self._ops.clear()
-
     def note(self, func, args, kwargs, out) -> None:
         outputs = out if type(out) is tuple or type(out) is list else (out,)
         holder_of = self._holder_of
@@ -267,9 +264,11 @@ class StorageHolders:
         self._saves: dict[int, tuple[weakref.ReferenceType, weakref.ReferenceType]] = {}
         self._parameters: dict[int, weakref.ReferenceType] = {}
 
-    def clear(self) -> None:
-        """A new attempt: the saves of the last one are gone (the parameters stay)."""
-        self._saves.clear()
+    def next_attempt(self) -> "StorageHolders":
+        """The holders of a new attempt: none of this one's saves, the same parameters."""
+        holders = StorageHolders()
+        holders._parameters = self._parameters  # (``set_parameters`` rebinds it, never changes it in place)
+        return holders
 
     def set_parameters(self, tensors) -> None:
         """The protected parameters and buffers now."""

@@ -50,11 +50,6 @@ class PlacedSchedule:
         self.releases: _Heap = []
         self.swap_ins: _Heap = []
 
-    def clear(self) -> None:
-        self.swap_outs.clear()
-        self.releases.clear()
-        self.swap_ins.clear()
-
     @staticmethod
     def add(heap: _Heap, at_op: int, entry: "SwapEntry") -> None:
         heapq.heappush(heap, (at_op, entry.position, weakref.ref(entry)))

@@ -71,10 +71,6 @@ class StorageEntries:
                     if entry is not None:
                         entry.writes += 1
 
-    def clear(self) -> None:
-        self._by_storage.clear()
-        self._watched.clear()
-
     def _forget(self, key: int) -> None:
         """A watched storage died: drop what it left at its key (a live storage may hold the key by now)."""
         ref = self._by_storage.get(key)

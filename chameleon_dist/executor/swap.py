@@ -32,17 +32,15 @@ from torch import nn
 
 from chameleon_dist.device.base import Device
 from chameleon_dist.device.locking import lock_entry_points
-from chameleon_dist.device.meter import storage_key
+from chameleon_dist.executor.attempt import SwapAttempt
 from chameleon_dist.executor.capture import capture_aware
 from chameleon_dist.executor.context import IterationContext, SwapCounters
 from chameleon_dist.executor.matching import PolicyMatcher
 from chameleon_dist.executor.pressure import PressureRelief
 from chameleon_dist.executor.protection import StorageProtection
-from chameleon_dist.executor.recompute import ProducerLog, StorageHolders
 from chameleon_dist.executor.records import KeptTensor, SwapEntry, SwappedTensor, abandoned_error, keep, keep_input
-from chameleon_dist.executor.schedule import NEVER, PlacedSchedule
+from chameleon_dist.executor.schedule import NEVER
 from chameleon_dist.executor.states import EntryState
-from chameleon_dist.executor.storage_entries import StorageEntries
 from chameleon_dist.executor.threads import IterationThreads
 from chameleon_dist.policy.model import Decision, Policy, PolicyEntry
 from chameleon_dist.policy.outcome import RetryAction
@@ -103,34 +101,25 @@ class SwapExecutor:
         self.threads = IterationThreads()  # who may drive it; its lock guards what follows (NOTE in threads.py)
         self._lock = self.threads.lock
         self._protection = StorageProtection()
-        # (``_order``, ``_kept`` and ``_placed`` are shared with the pressure relief: cleared in place, never rebound)
-        self._by_storage = StorageEntries(self._lock)  # entries by storage; where in-place writes count (``note_writes``)
-        self._order: list[weakref.ReferenceType[SwapEntry]] = []
         self._host_budget_warned = False
-        self._swapped_since_release = False
         self._context = _IDLE  # what the caller gave ``active`` for the current iteration
         self._matcher: PolicyMatcher | None = None
-        self._saved_storages: dict[int, weakref.ReferenceType] = {}  # storage key -> the storage
-        self._micro_batch = 0  # of the save sites (NOTE [Save-site matching] in ``matching.py``)
-        self._unpacked = False  # backward unpacked a saved tensor since the last forward save
-        self._placed = PlacedSchedule()  # the points on the op clock (NOTE [Placed swaps] in schedule.py)
-        self.due_op = NEVER  # the op count at which the next of them is due (read by the dispatch mode)
-        self._holders = StorageHolders()  # what holds each storage, for recipe inputs
-        self._producers = ProducerLog(self._holders.holder_of)  # recent forward ops, for per-tensor recomputation
         self.captures_producers = False  # the dispatch mode calls ``on_produced`` (the policy recomputes)
-        self._prefetching = False  # a swap-in ahead of its use is allocating (NOTE [Relief under pressure])
-        self._kept: list[weakref.ReferenceType[KeptTensor]] = []
-        self._packed: list[weakref.ReferenceType[KeptTensor | SwappedTensor]] = []  # this attempt's (for a retry)
+        self._attempt = SwapAttempt.start(self._lock)  # what this attempt saved and placed (a retry: a new one)
         self._relief = PressureRelief(  # (NOTE [Relief under pressure] in pressure.py)
-            device, counters=lambda: self.counters, schedule=self._placed, entries=self._order, kept=self._kept,
-            entry_for=self._entry_for, issue_pending_swap_outs=functools.partial(self._issue_overdue, everything=True),
-            prefetching=lambda: self._prefetching,
+            device, entry_for=self._entry_for,
+            issue_pending_swap_outs=functools.partial(self._issue_overdue, everything=True),
         )
+
+    @property
+    def due_op(self) -> int:
+        """The op count at which the next placed point is due (read by the dispatch mode, ``OpListener``)."""
+        return self._attempt.due_op
 
     def relieve_pressure(self, short_bytes: int) -> int:
         """Free at least ``short_bytes`` of device memory if possible; returns the bytes freed (NOTE [Relief
         under pressure] in pressure.py). The runtime installs it as the device's pressure handler."""
-        return self._relief.relieve(short_bytes)
+        return self._relief.relieve(short_bytes, self._attempt, self.counters)
 
     # ---- setup ------------------------------------------------------------------------------
     def protect(self, owner: nn.Module | Callable[[], Iterable[torch.Tensor]]) -> None:
@@ -157,7 +146,7 @@ class SwapExecutor:
         return self._protection.keys()
 
     def _refresh_protected(self) -> None:
-        self._holders.set_parameters(self._protection.refresh())
+        self._attempt.holders.set_parameters(self._protection.refresh())
 
     @property
     def policy(self) -> Policy | None:
@@ -188,13 +177,13 @@ class SwapExecutor:
                 yield self.counters
             self.device.release_all_sources()
         finally:
-            self._clear()
+            self._end_attempt()
             self._context = _IDLE
 
     def note_writes(self, tensors) -> None:
         """An op is about to write ``tensors`` in place: count it on every entry whose bytes live in one
         of their storages, so that unpacking a tensor saved before the write raises (``check_version``)."""
-        self._by_storage.note_writes(tensors)
+        self._attempt.by_storage.note_writes(tensors)
 
     def new_attempt(self, retry: RetryAction | None = None) -> None:
         """An out-of-memory retry starts the iteration over: the counters (the same object ``active``
@@ -203,7 +192,7 @@ class SwapExecutor:
         raises), and the device lets go of every swap-out source it still holds for them (ordered after their
         copies). ``retry`` (the policy controller's ``on_out_of_memory``) sets what the retry runs with: its
         ``min_swap_bytes``, and ``swap_everything`` drops the policy for the rest of the iteration."""
-        self._abandon_attempt()
+        self._attempt.abandon()
         self.device.release_all_sources()
         fresh = SwapCounters()
         for field in dataclasses.fields(SwapCounters):
@@ -214,37 +203,16 @@ class SwapExecutor:
                 self._use_policy(None)
         self._start_attempt()
 
-    def _abandon_attempt(self) -> None:
-        """The failed attempt's saved tensors give back their device and host memory: its graph may
-        outlive it where the garbage collector cannot reach (an error inside backward leaves PyTorch's
-        engine holding it), and must not take memory from the retry. Unpacking one afterwards raises."""
-        for ref in self._packed:
-            packed = ref()
-            if isinstance(packed, KeptTensor):
-                packed.abandon()
-            elif isinstance(packed, SwappedTensor):
-                packed.entry.abandon()
-
     def _start_attempt(self) -> None:
-        """Matching, release flag and per-iteration bookkeeping start over (the counters are fresh)."""
+        """A new attempt: matching, release flag and per-attempt bookkeeping start over (the counters are fresh)."""
         if self._matcher is not None:
             self._matcher.reset()
             self.counters.matches = self._matcher.counts
-        self._swapped_since_release = False
-        self._clear()
+        self._end_attempt()
 
-    def _clear(self) -> None:
-        self._by_storage.clear()
-        self._order.clear()
-        self._saved_storages.clear()
-        self._micro_batch = 0
-        self._unpacked = False
-        self._placed.clear()
-        self._producers.clear()
-        self._holders.clear()
-        self.due_op = NEVER
-        self._kept.clear()
-        self._packed.clear()
+    def _end_attempt(self) -> None:
+        """Forget the attempt: a new, empty one takes its place (it knows the same protected parameters)."""
+        self._attempt = SwapAttempt.start(self._lock, parameters_of=self._attempt.holders)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _eligible(self, tensor: torch.Tensor) -> bool:
@@ -273,11 +241,12 @@ class SwapExecutor:
         self.counters.saved_bytes.append(nbytes)
         by_layer, layer = self.counters.saved_bytes_by_layer, self._context.layer_clock()
         by_layer[layer] = by_layer.get(layer, 0) + nbytes
-        if self._unpacked and torch._C._current_graph_task_id() == -1:
-            self._micro_batch += 1  # a forward save after a backward pass: the next micro-batch
-            self._unpacked = False
+        attempt = self._attempt
+        if attempt.unpacked and torch._C._current_graph_task_id() == -1:
+            attempt.micro_batch += 1  # a forward save after a backward pass: the next micro-batch
+            attempt.unpacked = False
         storage = tensor.untyped_storage()
-        seen = self._seen_before(storage)
+        seen = attempt.seen_before(storage)
         # (sites are for the trace and the matcher: swapping everything needs none)
         wanted = not seen and (self._matcher is not None or self._context.observer is not None)
         site = self._site(tensor) if wanted else ""
@@ -297,36 +266,26 @@ class SwapExecutor:
         elif eligible:
             if self._matcher is None:
                 entry = self._entry_for(tensor)
-            elif self._by_storage.has(storage):
+            elif attempt.by_storage.has(storage):
                 entry = self._entry_for(tensor)  # another view of a storage swapped: shares its copy
         if entry is not None:
             swapped = SwappedTensor(entry, tensor)
-            self._packed.append(weakref.ref(swapped))
+            attempt.packed.append(weakref.ref(swapped))
             if self.captures_producers:  # (a recipe input whose own object died finds its storage here)
-                self._holders.note(storage, swapped)
+                attempt.holders.note(storage, swapped)
             return swapped
         kept = keep(tensor, self.device.current_stream())  # (a parameter as itself: NOTE in records.KeptParameter)
-        self._packed.append(weakref.ref(kept))
+        attempt.packed.append(weakref.ref(kept))
         if self.captures_producers:
-            self._holders.note(storage, kept)
+            attempt.holders.note(storage, kept)
         if self._matcher is not None and tensor.numel() * tensor.element_size() >= self.min_swap_bytes and eligible:
-            self._kept.append(weakref.ref(kept))  # a passive swap may take it later
+            attempt.kept.append(weakref.ref(kept))  # a passive swap may take it later
         return kept
 
     def _site(self, tensor: torch.Tensor) -> str:
         """NOTE [Save-site matching] in ``matching.py``."""
         dtype, named = str(tensor.dtype).removeprefix("torch."), self._context.micro_batch()
-        return f"{self._micro_batch if named is None else named}:{self._context.site_clock()}:{dtype}:{tensor.dim()}"
-
-    def _seen_before(self, storage: torch.UntypedStorage) -> bool:
-        """Whether a storage was saved before in this attempt; a new one takes the next save ordinal (NOTE
-        [Save-site matching] in ``matching.py``). Addresses of dead storages get reused: checked."""
-        key = storage_key(storage)
-        known = self._saved_storages.get(key)
-        if known is not None and known() is storage:
-            return True
-        self._saved_storages[key] = weakref.ref(storage)
-        return False
+        return f"{self._attempt.micro_batch if named is None else named}:{self._context.site_clock()}:{dtype}:{tensor.dim()}"
 
     def _entry_for(self, tensor: torch.Tensor, planned: PolicyEntry | None = None,
                    reader: object | None = None) -> SwapEntry | None:
@@ -335,13 +294,13 @@ class SwapExecutor:
         op clock at the points the policy placed them, shifted by how far the sequence had moved at the
         save (NOTE [Placed swaps] in schedule.py); else the copy starts now and the device lets go once it completed.
         None when the host budget has no room (the tensor stays on the device)."""
-        storage = tensor.untyped_storage()
-        entry = self._by_storage.entry_of(storage)
+        storage, attempt = tensor.untyped_storage(), self._attempt
+        entry = attempt.by_storage.entry_of(storage)
         if entry is not None and entry.version == tensor._version:
             return entry  # same bytes already on their way out: share the host copy
         if planned is not None and planned.decision == Decision.RECOMPUTE:
             return self._recompute_entry(tensor, planned)
-        entry = SwapEntry(self.device, storage, tensor._version, position=len(self._order),
+        entry = SwapEntry(self.device, storage, tensor._version, position=len(attempt.order),
                           ordinal=planned.save_ordinal if planned is not None else -1,
                           stream=self.device.producer_stream(tensor),
                           reader=reader if reader is not None else self.device.current_stream())
@@ -356,39 +315,39 @@ class SwapExecutor:
             return None
         if planned is not None:  # its prefetch, shifted like the save
             trigger = planned.swap_in_at + (op_count - planned.save_op_index if op_count >= 0 else 0)
-            self._schedule(self._placed.swap_ins, trigger, entry)
+            attempt.schedule(attempt.placed.swap_ins, trigger, entry)
             entry.planned = True
         if entry.issued:
             entry.release()  # (the device holds the original until its copy completed)
         if release_at > op_count:
-            self._schedule(self._placed.releases, release_at, entry)
+            attempt.schedule(attempt.placed.releases, release_at, entry)
         if entry.awaiting_swap_out:
-            self._schedule(self._placed.swap_outs, issue_at, entry)
+            attempt.schedule(attempt.placed.swap_outs, issue_at, entry)
             self.counters.delayed_swap_outs += 1
             backward_start = self._matcher.backward_start.get(planned.micro_batch, planned.first_backward_use)
             entry.out_in_forward = planned.swap_out_at < backward_start
-        self._by_storage.add(storage, entry)
-        self._order.append(weakref.ref(entry))
-        self._swapped_since_release = True
+        attempt.by_storage.add(storage, entry)
+        attempt.order.append(weakref.ref(entry))
+        attempt.swapped_since_release = True
         return entry
 
     def _recompute_entry(self, tensor: torch.Tensor, planned: PolicyEntry) -> SwapEntry | None:
         """An entry that leaves the device with no copy and is rebuilt when backward needs it (NOTE
         [Per-tensor recompute] in recompute.py); None (kept, counted) when it cannot be rebuilt exactly."""
         storage = tensor.untyped_storage()
-        recipe = self._producers.recipe_for(tensor, self._pack_input)
+        recipe = self._attempt.producers.recipe_for(tensor, self._pack_input)
         if recipe is None:
             self.counters.recompute_unavailable += 1
             return None
         entry = SwapEntry(self.device, storage, tensor._version, position=-1, ordinal=planned.save_ordinal)
         entry.recompute_later(recipe)  # (its original goes after its last forward use)
-        self._by_storage.add(storage, entry)
+        self._attempt.by_storage.add(storage, entry)
         return entry
 
     def _pack_input(self, tensor: torch.Tensor) -> KeptTensor | SwappedTensor:
         """A recipe's tensor input, packed like a saved tensor: the ``SwappedTensor`` of the entry that swaps
         or recomputes its storage, else what ``records.keep_input`` keeps (the in-place check holds)."""
-        entry = self._by_storage.entry_of(tensor.untyped_storage())
+        entry = self._attempt.by_storage.entry_of(tensor.untyped_storage())
         if entry is not None and entry.version == tensor._version and not entry.abandoned:
             return SwappedTensor(entry, tensor)
         return keep_input(tensor)
@@ -396,7 +355,7 @@ class SwapExecutor:
     def on_produced(self, func, args, kwargs, out) -> None:
         """A forward op ran (the dispatch mode calls this while ``captures_producers``)."""
         if torch._C._current_graph_task_id() == -1:
-            self._producers.note(func, args, kwargs, out)
+            self._attempt.producers.note(func, args, kwargs, out)
 
     def _rebuild(self, entry: SwapEntry) -> None:
         """Backward needs a recomputed tensor: the device original if something kept it alive, else its
@@ -405,14 +364,9 @@ class SwapExecutor:
             self.counters.reused_original_bytes += entry.nbytes
         else:
             entry.finish_rebuild(entry.recipe.run(self._unpack_in_hidden_scope))  # (its recipe's inputs may go)
-            self._by_storage.watch(entry.device_bytes.untyped_storage(), entry)
+            self._attempt.by_storage.watch(entry.device_bytes.untyped_storage(), entry)
             self.counters.recomputed_bytes += entry.nbytes
             self.counters.recomputed_storages += 1
-
-    def _schedule(self, heap: list, at_op: int, entry: SwapEntry) -> None:
-        self._placed.add(heap, at_op, entry)
-        if at_op < self.due_op:
-            self.due_op = at_op
 
     def _issue(self, entry: SwapEntry) -> bool:
         """Start ``entry``'s swap-out; False when the host budget has no room (it stays on the device)."""
@@ -442,8 +396,9 @@ class SwapExecutor:
         is captured: it stays due (NOTE [No swapping under graph capture] in capture.py)."""
         if self.device.is_capturing():
             return
-        self.due_op = NEVER
-        placed = self._placed
+        attempt = self._attempt
+        attempt.due_op = NEVER
+        placed = attempt.placed
         with self._context.hide_own_ops():
             for entry in placed.due(placed.swap_outs, op_count):
                 if entry.awaiting_swap_out and self._issue(entry):
@@ -456,18 +411,19 @@ class SwapExecutor:
                 self.counters.placed.extend((op_count, "release", entry.ordinal) for entry in due)
             if placed.swap_ins and placed.swap_ins[0][0] <= op_count:
                 self._fire_triggers(op_count)
-        self.due_op = placed.next_op()
+        attempt.due_op = placed.next_op()
 
     def _issue_overdue(self, everything: bool = False) -> None:
         """Backward began: swap-outs placed in the forward pass whose op never came (the sequence moved)
         start now, the latest safe point (before backward needs the link), and their originals go once
         copied; counted. Those placed in the backward pass keep their op. ``everything``: memory pressure,
         all pending ones start now."""
-        for entry in self._placed.take_swap_outs(everything):
+        attempt = self._attempt
+        for entry in attempt.placed.take_swap_outs(everything):
             if self._issue(entry):
                 entry.release()
             self.counters.late_swap_outs += not everything
-        self.due_op = self._placed.next_op()
+        attempt.due_op = attempt.placed.next_op()
 
     def _unpack(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
         self.threads.check_thread()
@@ -475,8 +431,9 @@ class SwapExecutor:
             return self._unpack_in_hidden_scope(packed)
 
     def _unpack_in_hidden_scope(self, packed: torch.Tensor | KeptTensor | SwappedTensor) -> torch.Tensor:
-        self._unpacked = True
-        if self._placed.swap_ins:
+        attempt = self._attempt
+        attempt.unpacked = True
+        if attempt.placed.swap_ins:
             self._fire_triggers(self._context.op_clock())
         if isinstance(packed, KeptTensor):
             if packed.swapped is None:
@@ -487,12 +444,12 @@ class SwapExecutor:
         if packed.entry.abandoned:
             raise abandoned_error()
         packed.check_version()
-        if self._swapped_since_release:
+        if attempt.swapped_since_release:
             # A backward pass begins: a swap-out still waiting for its op starts now, and every swap-out
             # issued in the forward pass lets go of its device block (NOTE [Release after copy] in
             # device/base.py).
-            self._swapped_since_release = False
-            if self._placed.swap_outs:
+            attempt.swapped_since_release = False
+            if attempt.placed.swap_outs:
                 self._issue_overdue()
             self.device.release_all_sources()
         entry = packed.entry
@@ -506,7 +463,7 @@ class SwapExecutor:
             self._swap_in(entry)
             entry.finish_swap_in()
             if not entry.reused_source:  # a restored copy: backward may write it (a retained graph re-reads)
-                self._by_storage.watch(entry.device_bytes.untyped_storage(), entry)
+                attempt.by_storage.watch(entry.device_bytes.untyped_storage(), entry)
             if not entry.planned:
                 self._prefetch_before(entry)
         tensor = packed.rebuild(entry.device_bytes)
@@ -539,13 +496,13 @@ class SwapExecutor:
         """Start the planned swap-ins whose trigger op has been reached. One that would take the device
         above ``prefetch_limit_bytes`` waits for the next op (or its use): the policy's prediction was
         short there, and an early prefetch must not be what breaks the budget."""
-        limit = self.prefetch_limit_bytes
-        for entry in self._placed.due(self._placed.swap_ins, op_count):
+        limit, attempt = self.prefetch_limit_bytes, self._attempt
+        for entry in attempt.placed.due(attempt.placed.swap_ins, op_count):
             if entry.restored or entry.in_flight:
                 continue
             if limit is not None and op_count >= 0 and entry.source() is None and (
                     self.device.live_bytes() + entry.nbytes > limit or self._prefetch_would_not_fit(entry)):
-                self._schedule(self._placed.swap_ins, op_count + 1, entry)
+                attempt.schedule(attempt.placed.swap_ins, op_count + 1, entry)
                 self.counters.prefetches_deferred += 1
                 return
             if not self._prefetch(entry):
@@ -556,7 +513,7 @@ class SwapExecutor:
     def _prefetch_before(self, entry: SwapEntry) -> None:
         """Keep the next ``prefetch_depth`` storages backward will likely need (saved earlier) coming in."""
         ahead = 0
-        for ref in reversed(self._order[: entry.position]):
+        for ref in reversed(self._attempt.order[: entry.position]):
             if ahead >= self.prefetch_depth:
                 return
             candidate = ref()
@@ -570,17 +527,18 @@ class SwapExecutor:
 
     def _prefetch(self, entry: SwapEntry) -> bool:
         """Start a swap-in ahead of its use; False (and nothing started) when the device has no room."""
-        self._prefetching = True
+        attempt = self._attempt
+        attempt.prefetching = True
         try:
             self._swap_in(entry)
         except torch.OutOfMemoryError:
             logger.debug("prefetch skipped: no device memory for %s", format_bytes(entry.nbytes))
             return False
         finally:
-            self._prefetching = False
+            attempt.prefetching = False
         self.counters.prefetched += 1
         return True
 
 
 lock_entry_points(SwapExecutor, "_pack", "_unpack", "on_op", "relieve_pressure", "new_attempt", "note_writes",
-                  "on_produced", "protect_now", "unprotect_now", "_start_attempt", "_clear")
+                  "on_produced", "protect_now", "unprotect_now", "_start_attempt", "_end_attempt")
