@@ -19,6 +19,9 @@ MAX_CORE = 14
 CORE_CLASSES = {
     "executor/swap.py": {"SwapExecutor"},
     "policy/selection.py": {"PolicyController"},
+    "policy/controller_state.py": {"TrialRound", "ChosenPolicy", "SwapAllBaseline", "GenerationBasis",
+                                   "ProfiledIteration", "Learned"},
+    "policy/stable.py": {"StableDecisions"},
 }
 
 # TEMPORARY: classes over their limit when the rule came in (issue 38), owned by other work (PolicyController and
@@ -29,7 +32,6 @@ TEMPORARY_ALLOWANCE: dict[str, set[str]] = {
     "executor/context.py": {"SwapCounters"},
     "planner/profiles.py": {"HardwareProfile"},
     "policy/model.py": {"Policy"},
-    "policy/selection.py": {"PolicyController"},
     "report.py": {"IterationReport"},
 }
 
