@@ -252,7 +252,7 @@ class PolicyController:
         policy, allowed = outcome.policy, self.allowed_peak_bytes
         absorbed = False
         if outcome.stage == Stage.GEN_POLICY and policy is not None:
-            held = trial_held(policy, outcome.peak_bytes, allowed, outcome.passive_swaps, outcome.oom_retries)
+            held = trial_held(policy, outcome.peak_device_bytes, allowed, outcome.passive_swaps, outcome.oom_retries)
             # a trial on a shape larger than the traced one that failed, failed for the shape: no feedback
             grew = self._growth(outcome) > 1 + GROWTH_TOLERANCE
             self._record_trial(outcome, held, grew)
@@ -262,7 +262,7 @@ class PolicyController:
         if policy is None and not outcome.oom_retries:  # what the last resort measured, to compare trials with
             self._swap_all_iteration_s = outcome.iteration_s
             if outcome.stage == Stage.WARMUP:
-                self._swap_all_peak_bytes = outcome.peak_bytes
+                self._swap_all_peak_bytes = outcome.peak_device_bytes
         if policy is None and outcome.stage == Stage.WARMUP:
             self._swap_all_held = not (outcome.oom_retries or outcome.passive_swaps)
         if outcome.stage == Stage.WARMUP:  # the chosen policy is kept in WarmUp only while it holds as expected
@@ -275,30 +275,30 @@ class PolicyController:
             self._trace_saved_by_layer = {outcome.iteration: outcome.saved_bytes_by_layer}
         if outcome.stage != Stage.STABLE or policy is None or policy is not self.chosen:
             return "", absorbed, False
-        failed = outcome.passive_swaps or outcome.peak_bytes > allowed
+        failed = outcome.passive_swaps or outcome.peak_device_bytes > allowed
         if failed and not outcome.oom_retries and self._scale_for(outcome):
             return "", bool(outcome.passive_swaps), False
-        if outcome.peak_bytes <= allowed and self._expected_passive_swaps(policy, outcome):
+        if outcome.peak_device_bytes <= allowed and self._expected_passive_swaps(policy, outcome):
             return "", True, False  # the remainder of a policy predicted short, as its trials had
         if (outcome.passive_swaps and not outcome.oom_retries and self._swap_all_fits()
                 and 0 < outcome.passive_swap_bytes <= SLIGHTLY_SHORT_SHARE * self._needed_bytes):
             # near the floor: a policy slightly short where swapping everything fits is tightened in place by
             # what passive swap moved (and the peak over what it must stay under), not profiled again
-            shortfall_bytes = max(outcome.passive_swap_bytes, outcome.peak_bytes - allowed, 1)
+            shortfall_bytes = max(outcome.passive_swap_bytes, outcome.peak_device_bytes - allowed, 1)
             reason = (f"{outcome.passive_swaps} passive swap(s) ({format_bytes(outcome.passive_swap_bytes)}) under "
                       f"policy {policy.name}")
             if (self._tighten_in_place(policy, shortfall_bytes, reason, peak_within_capacity=True)
                     or self._swap_all_in_place(reason)):
                 return "", True, True
-        if outcome.peak_bytes > allowed:
-            reason = (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget "
+        if outcome.peak_device_bytes > allowed:
+            reason = (f"peak {format_bytes(outcome.peak_device_bytes)} above memory_budget "
                       f"{format_bytes(self.settings.budget_bytes)} under policy {policy.name}")
             if outcome.passive_swaps:
                 return reason, absorbed, False
-            if (self._tighten_in_place(policy, outcome.peak_bytes - allowed, reason)
+            if (self._tighten_in_place(policy, outcome.peak_device_bytes - allowed, reason)
                     or (self._no_stricter_policy and self._swap_all_in_place(reason))):
                 return "", absorbed, True
-            if self.capacity_bytes is not None and outcome.peak_bytes <= self.capacity_bytes:
+            if self.capacity_bytes is not None and outcome.peak_device_bytes <= self.capacity_bytes:
                 # variance (routing, lengths) the in-place tightenings did not remove, with nothing passively
                 # swapped and the capacity held: not a new program, so profiling again would find the same
                 logger.info("%s, within the capacity %s and with no passive swap: policy %s kept", reason,
@@ -414,7 +414,8 @@ class PolicyController:
             transition.cause == TransitionCause.OVER_BUDGET
             or (transition.cause == TransitionCause.PASSIVE_SWAP and outcome.passive_swaps)
         ):
-            self._tighten(outcome.policy, max(outcome.passive_swap_bytes, outcome.peak_bytes - self.allowed_peak_bytes))
+            self._tighten(outcome.policy,
+                          max(outcome.passive_swap_bytes, outcome.peak_device_bytes - self.allowed_peak_bytes))
 
     def on_out_of_memory(self, policy_applied: Policy | None, refused_bytes: int, min_swap_bytes: int) -> RetryAction:
         """An attempt ran out of memory; what the retry changes (the executor applies it). ``policy_applied``
@@ -476,7 +477,8 @@ class PolicyController:
         times rescaled when they were off, the next policies aiming lower by what the trial missed."""
         policy = outcome.policy
         assert policy is not None
-        self.results.append(TrialResult(policy, outcome.iteration_s, outcome.peak_bytes, held, outcome.passive_swap_bytes))
+        self.results.append(
+            TrialResult(policy, outcome.iteration_s, outcome.peak_device_bytes, held, outcome.passive_swap_bytes))
         feedback = trial_feedback(outcome, self.settings.budget_bytes, self._stricter_step_bytes(), grew)
         if feedback.time_ratio is not None:
             self.time_scale *= feedback.time_ratio
