@@ -86,7 +86,7 @@ _MATCH_FIGURES = {"matched_exact": "exact", "matched_fuzzy": "fuzzy", "unmatched
 
 
 # The counts of ``SwapFigures`` the executor keeps itself (the matcher keeps those in _MATCH_FIGURES)
-_FigureCounts = counting_twin("_FigureCounts", _MATCH_FIGURES, __name__)
+_FigureCounts = counting_twin(SwapFigures, _MATCH_FIGURES, "_FigureCounts", __name__)
 
 
 @dataclasses.dataclass

@@ -44,18 +44,15 @@ class SwapFigures:
     # (NOTE [Relief under pressure] in executor/pressure.py)
 
 
-def figure_names() -> tuple[str, ...]:
-    """The names of ``SwapFigures``' fields, in declaration order (each one a report attribute and JSON key)."""
-    return tuple(field.name for field in dataclasses.fields(SwapFigures))
-
-
-def counting_twin(name: str, counted_elsewhere: Collection[str], module: str) -> type:
-    """A mutable dataclass named ``name`` with ``SwapFigures``' fields (their types and defaults), less those in
-    ``counted_elsewhere``: the base a counter class adds its own fields to, so that no figure is declared twice.
-    ``module`` is the module the twin is said to belong to (for its repr and for pickling)."""
+def counting_twin(figures: type, counted_elsewhere: Collection[str], name: str, module: str) -> type:
+    """A mutable dataclass named ``name`` with the fields of the dataclass ``figures`` (``SwapFigures``: their
+    types and defaults), less those in ``counted_elsewhere``: the base a counter class adds its own fields to,
+    so that no figure is declared twice. ``module`` is the module the twin is said to belong to (its repr,
+    pickling)."""
     fields = [(f.name, f.type, dataclasses.field(default=f.default))
-              for f in dataclasses.fields(SwapFigures) if f.name not in counted_elsewhere]
+              for f in dataclasses.fields(figures) if f.name not in counted_elsewhere]
     twin = dataclasses.make_dataclass(name, fields)
     twin.__module__ = module
-    twin.__doc__ = f"``SwapFigures``' counts but {', '.join(sorted(counted_elsewhere)) or 'none'}, mutable (``counting_twin``)."
+    twin.__doc__ = (f"``{figures.__name__}``' counts but {', '.join(sorted(counted_elsewhere)) or 'none'}, mutable "
+                    "(``counting_twin``).")
     return twin
