@@ -114,6 +114,7 @@ class IterationReport:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __dir__(self) -> list[str]:
+        """The report's names with ``swaps``' fields among them (completion in a shell, ``dir(report)``)."""
         swaps = self.__dict__.get("swaps")
         return sorted(set(super().__dir__()) | set(_field_names(swaps) if swaps is not None else ()))
 
