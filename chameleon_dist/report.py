@@ -2,8 +2,9 @@
 
 The report nests the records its parts made: the executor's counts (``swaps``, a ``SwapFigures``), the
 profiler's comparison with the reference sequence (``comparison``) and the stage machine's move
-(``transition``). ``to_dict()`` flattens them into the JSON keys reports always had; the most-read values
-are also attributes of the report itself (``report.passive_swaps`` is ``report.swaps.passive_swaps``).
+(``transition``). ``to_dict()`` flattens them into the JSON keys reports always had; every count in
+``swaps`` and the most-read comparison values are also attributes of the report itself
+(``report.passive_swaps`` is ``report.swaps.passive_swaps``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ if TYPE_CHECKING:  # annotations only: the report imports none of the parts it d
     from chameleon_dist.profiler.signature import Comparison
     from chameleon_dist.trace.stages import Transition
 
-# The order of ``to_dict()``'s keys: the one reports always had (keys not named here follow at the end).
+# The order of ``to_dict()``'s keys: the one reports always had (keys not named here follow at the end, in the
+# order of the report's fields, then of ``SwapFigures``' fields). It is the JSON contract as of issue 38
+# (tests/data/iteration_reports.json), not a list to keep up: a new field of the report or of ``SwapFigures``
+# needs no line here (tests/test_counters_once.py checks that each swap figure named here is a field there).
 _JSON_ORDER = (
     "iteration", "enabled", "stage", "peak_device_bytes", "capacity_bytes", "memory_budget_bytes", "swap_out_bytes",
     "swap_in_bytes", "swapped_storages", "prefetched", "kept_on_device_bytes", "host_pool_bytes", "stall_s",
@@ -31,8 +35,9 @@ _JSON_ORDER = (
 _NESTED = ("swaps", "comparison", "transition")  # flattened by ``to_dict``
 
 
-def _swap_figure(name: str) -> property:
-    return property(lambda self: getattr(self.swaps, name), doc=f"``swaps.{name}`` (read-only)")
+def _field_names(record: Any) -> tuple[str, ...]:
+    """The field names of the dataclass ``record`` (the report reads ``swaps``' through by them)."""
+    return tuple(field.name for field in dataclasses.fields(record))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,25 +105,19 @@ class IterationReport:
     iteration_s_lag: int = 0  # iterations ``iteration_s`` lags (Stable: usually 1; see above)
     verdict_rule: str | None = None  # the policy controller's rule that judged it (``policy.judgement``); None: failed
 
-    # ---- the executor's counts, read through (``swaps``) ----
-    swap_out_bytes = _swap_figure("swap_out_bytes")
-    swap_in_bytes = _swap_figure("swap_in_bytes")
-    swapped_storages = _swap_figure("swapped_storages")
-    prefetched = _swap_figure("prefetched")
-    kept_on_device_bytes = _swap_figure("kept_on_device_bytes")
-    passive_swaps = _swap_figure("passive_swaps")
-    pressure_waits = _swap_figure("pressure_waits")
-    matched_exact = _swap_figure("matched_exact")
-    matched_fuzzy = _swap_figure("matched_fuzzy")
-    unmatched = _swap_figure("unmatched")
-    on_demand_fetches = _swap_figure("on_demand_fetches")
-    reused_original_bytes = _swap_figure("reused_original_bytes")
-    delayed_swap_outs = _swap_figure("delayed_swap_outs")
-    late_swap_outs = _swap_figure("late_swap_outs")
-    recomputed_bytes = _swap_figure("recomputed_bytes")
-    recompute_unavailable = _swap_figure("recompute_unavailable")
-    skipped_entries = _swap_figure("skipped_entries")
-    evicted_prefetches = _swap_figure("evicted_prefetches")
+    # ---- the executor's counts, read through (``swaps``): every field of ``SwapFigures``, none named here ----
+    def __getattr__(self, name: str) -> Any:
+        """``report.<name>`` is ``report.swaps.<name>`` for each field of ``SwapFigures`` (read-only: the report
+        is frozen), so that a count declared there is a report attribute without another line here."""
+        swaps = self.__dict__.get("swaps")  # (not ``self.swaps``: absent while a copy or unpickling builds one)
+        if swaps is not None and not name.startswith("_") and name in _field_names(swaps):
+            return getattr(swaps, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __dir__(self) -> list[str]:
+        """The report's names with ``swaps``' fields among them (completion in a shell, ``dir(report)``)."""
+        swaps = self.__dict__.get("swaps")
+        return sorted(set(super().__dir__()) | set(_field_names(swaps) if swaps is not None else ()))
 
     # ---- the sequence comparison, read through (``comparison``; a failed iteration: no change) ----
     @property

@@ -280,10 +280,10 @@ class Chameleon:
                                                           wait=stage != Stage.STABLE)
         counters = running.counters
         outcome = IterationOutcome(
-            iteration=self._iteration, stage=stage, policy=policy, peak_bytes=self.device.peak_bytes(),
+            iteration=self._iteration, stage=stage, policy=policy, peak_device_bytes=self.device.peak_bytes(),
             iteration_s=iteration_s, stall_s=self.device.stall_s() - running.stall_start_s,
             attempt_stall_s=self.device.stall_s() - running.attempt_stall_start_s,
-            passive_swaps=counters.passive_swaps, oom_retries=running.oom_retries,
+            swaps=counters.figures(), oom_retries=running.oom_retries,
             profiled=observation.recorder is not None, saved_bytes=sum(counters.saved_bytes),
             saved_bytes_by_layer=types.MappingProxyType(dict(counters.saved_bytes_by_layer)),
             passive_swap_bytes=counters.passive_swap_bytes,

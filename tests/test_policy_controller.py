@@ -15,6 +15,7 @@ from chameleon_dist.policy.selection import (
     RetryAction,
 )
 from chameleon_dist.trace.stages import RetryCause, Stage, Transition, TransitionCause
+from chameleon_dist.trace.swap_figures import SwapFigures
 from chameleon_dist.trace.step_trace import StepTrace
 
 MIB = 2**20
@@ -33,8 +34,9 @@ def _policy(name: str = "p", feasible: bool = True) -> Policy:
 
 def _outcome(stage: Stage, policy: Policy | None, peak_mib: float, passive_swaps: int = 0, oom_retries: int = 0,
              iteration: int = 1) -> IterationOutcome:
-    return IterationOutcome(iteration=iteration, stage=stage, policy=policy, peak_bytes=int(peak_mib * MIB),
-                            iteration_s=0.1, stall_s=0.0, attempt_stall_s=0.0, passive_swaps=passive_swaps,
+    return IterationOutcome(iteration=iteration, stage=stage, policy=policy, peak_device_bytes=int(peak_mib * MIB),
+                            iteration_s=0.1, stall_s=0.0, attempt_stall_s=0.0,
+                            swaps=SwapFigures(passive_swaps=passive_swaps),
                             oom_retries=oom_retries, profiled=stage == Stage.WARMUP)
 
 
@@ -130,8 +132,8 @@ def test_trials_that_all_failed_leave_no_policy_chosen():
 
 def test_the_profiled_iterations_stall_is_kept_for_the_next_generation():
     controller = _controller()
-    controller.record(IterationOutcome(iteration=4, stage=Stage.WARMUP, policy=None, peak_bytes=0, iteration_s=1.0,
-                                       stall_s=0.5, attempt_stall_s=0.25, passive_swaps=0, oom_retries=1,
+    controller.record(IterationOutcome(iteration=4, stage=Stage.WARMUP, policy=None, peak_device_bytes=0,
+                                       iteration_s=1.0, stall_s=0.5, attempt_stall_s=0.25, oom_retries=1,
                                        profiled=True))
     assert dict(controller.trace_stall_s) == {4: 0.25}
     with pytest.raises(TypeError):
@@ -148,9 +150,9 @@ def _stable_on_the_job_trace(capacity_bytes: int | None, trial_peaks_mib=(70, 76
     trace = StepTrace.load(DATA / "job_trace.json")
     settings = PolicySettings(budget_bytes=JOB_BUDGET, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, min_swap_bytes=MIB)
     controller = PolicyController(settings, capacity_bytes=capacity_bytes)
-    warmup = IterationOutcome(iteration=trace.iteration, stage=Stage.WARMUP, policy=None, peak_bytes=JOB_BUDGET,
-                              iteration_s=trace.iteration_s, stall_s=0.0, attempt_stall_s=0.0, passive_swaps=0,
-                              oom_retries=0, profiled=True, saved_bytes=100 * MIB)
+    warmup = IterationOutcome(iteration=trace.iteration, stage=Stage.WARMUP, policy=None,
+                              peak_device_bytes=JOB_BUDGET, iteration_s=trace.iteration_s, stall_s=0.0,
+                              attempt_stall_s=0.0, oom_retries=0, profiled=True, saved_bytes=100 * MIB)
     controller.record(warmup)
     controller.follow(Transition(Stage.WARMUP, Stage.GEN_POLICY, TransitionCause.PROFILED, ""), warmup)
     assert controller.policy_for(Stage.GEN_POLICY, trace, MIB) is not None  # generates
@@ -166,8 +168,9 @@ def _stable_on_the_job_trace(capacity_bytes: int | None, trial_peaks_mib=(70, 76
 
 
 def _stable(policy: Policy, peak_bytes: int, passive_swaps: int = 0, saved_mib: int = 100) -> IterationOutcome:
-    return IterationOutcome(iteration=20, stage=Stage.STABLE, policy=policy, peak_bytes=peak_bytes, iteration_s=0.1,
-                            stall_s=0.0, attempt_stall_s=0.0, passive_swaps=passive_swaps, oom_retries=0,
+    return IterationOutcome(iteration=20, stage=Stage.STABLE, policy=policy, peak_device_bytes=peak_bytes,
+                            iteration_s=0.1, stall_s=0.0, attempt_stall_s=0.0,
+                            swaps=SwapFigures(passive_swaps=passive_swaps), oom_retries=0,
                             profiled=False, saved_bytes=saved_mib * MIB)
 
 
@@ -179,7 +182,8 @@ def test_the_chosen_policy_keeps_headroom_for_the_trials_peak_variation():
     controller.results = []
     trials = ((fast, JOB_BUDGET - MIB, 0.1), (slow, JOB_BUDGET - 6 * MIB, 0.2), (slow, JOB_BUDGET - 4 * MIB, 0.2))
     for policy, peak_bytes, seconds in trials:
-        outcome = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_bytes=peak_bytes, iteration_s=seconds)
+        outcome = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_device_bytes=peak_bytes,
+                                      iteration_s=seconds)
         controller.record(outcome)
     assert all(r.held for r in controller.results)
     controller.follow(Transition(Stage.GEN_POLICY, Stage.STABLE, TransitionCause.TRIALS_DONE, ""), outcome)
@@ -195,7 +199,8 @@ def test_prediction_errors_across_policies_are_not_headroom():
     controller.results = []
     for policy, peak_bytes, seconds in ((fast, JOB_BUDGET - MIB // 4, 0.1),
                                         (slow, slow.predicted_peak_bytes - 8 * MIB, 0.9)):
-        outcome = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_bytes=peak_bytes, iteration_s=seconds)
+        outcome = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_device_bytes=peak_bytes,
+                                      iteration_s=seconds)
         controller.record(outcome)
     controller.follow(Transition(Stage.GEN_POLICY, Stage.STABLE, TransitionCause.TRIALS_DONE, ""), outcome)
     assert controller.headroom_bytes == 0 and controller.chosen is fast
@@ -283,8 +288,9 @@ def test_a_trial_that_ran_out_of_memory_is_fed_back_and_the_trials_go_on():
     controller.results = []
     reserve = controller.reserve_bytes
     controller.on_out_of_memory(policy, refused_bytes=0, min_swap_bytes=MIB)  # the retry swaps everything
-    trial = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_bytes=JOB_BUDGET - MIB, passive_swaps=2,
-                                oom_retries=1, failed_attempt_passive_swaps=5, passive_swap_bytes=2 * MIB)
+    trial = dataclasses.replace(_outcome(Stage.GEN_POLICY, policy, 0), peak_device_bytes=JOB_BUDGET - MIB,
+                                swaps=SwapFigures(passive_swaps=2), oom_retries=1, failed_attempt_passive_swaps=5,
+                                passive_swap_bytes=2 * MIB)
     verdict = controller.record(trial)
     assert verdict.restart is None, verdict.reason
     assert not controller.results[-1].held and controller.reserve_bytes > reserve, "stricter next trials"

@@ -17,6 +17,7 @@ from chameleon_dist.policy.model import Policy
 from chameleon_dist.policy.outcome import IterationOutcome
 from chameleon_dist.policy.selection import PolicyController
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+from chameleon_dist.trace.swap_figures import SwapFigures
 from tests.models import lm_batch, lm_loss, make_lm
 
 MIB = 2**20
@@ -35,8 +36,9 @@ CHOSEN = _policy("chosen")
 
 def _outcome(stage: Stage = Stage.STABLE, policy: Policy | None = CHOSEN, peak_mib: float = 90, passive_swaps: int = 0,
              passive_swap_mib: float = 0, oom_retries: int = 0, failed_attempt_passive_swaps: int = 0) -> IterationOutcome:
-    return IterationOutcome(iteration=7, stage=stage, policy=policy, peak_bytes=int(peak_mib * MIB), iteration_s=0.1,
-                            stall_s=0.0, attempt_stall_s=0.0, passive_swaps=passive_swaps, oom_retries=oom_retries,
+    return IterationOutcome(iteration=7, stage=stage, policy=policy, peak_device_bytes=int(peak_mib * MIB),
+                            iteration_s=0.1, stall_s=0.0, attempt_stall_s=0.0, swaps=SwapFigures(passive_swaps=passive_swaps),
+                            oom_retries=oom_retries,
                             profiled=False, passive_swap_bytes=int(passive_swap_mib * MIB),
                             failed_attempt_passive_swaps=failed_attempt_passive_swaps)
 

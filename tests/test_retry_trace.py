@@ -216,8 +216,8 @@ def _verdict(observation) -> Verdict:
     swap, after one out-of-memory retry (what the runtime tells it: ``Chameleon.iteration``)."""
     controller = PolicyController(PolicySettings(budget_bytes=2**30, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9))
     return controller.record(IterationOutcome(
-        iteration=2, stage=Stage.GEN_POLICY, policy=None, peak_bytes=0, iteration_s=0.1, stall_s=0.0,
-        attempt_stall_s=0.0, passive_swaps=0, oom_retries=observation.failed_attempts, profiled=False,
+        iteration=2, stage=Stage.GEN_POLICY, policy=None, peak_device_bytes=0, iteration_s=0.1, stall_s=0.0,
+        attempt_stall_s=0.0, oom_retries=observation.failed_attempts, profiled=False,
         failed_attempt_passive_swaps=observation.failed_attempt_passive_swaps))
 
 

@@ -31,6 +31,7 @@ from chameleon_dist.policy.model import Decision, Policy
 from chameleon_dist.policy.selection import IterationOutcome, PolicyController
 from chameleon_dist.policy.trials import policy_key
 from chameleon_dist.trace.stages import Stage, Transition, TransitionCause
+from chameleon_dist.trace.swap_figures import SwapFigures
 from chameleon_dist.trace.step_trace import StepTrace
 from launch.models.toy_gpt import GPT
 from tests.scenario_models import bits_equal, one_thread
@@ -52,9 +53,10 @@ def _generated(link_bytes_per_s: float, warmup_s: float | None = None) -> tuple[
     settings = PolicySettings(budget_bytes=BUDGET_BYTES, d2h_bytes_per_s=link_bytes_per_s,
                               h2d_bytes_per_s=link_bytes_per_s, min_swap_bytes=MIB, allow_recompute=False)
     controller = PolicyController(settings, capacity_bytes=BUDGET_BYTES)
-    warmup = IterationOutcome(iteration=trace.iteration, stage=Stage.WARMUP, policy=None, peak_bytes=BUDGET_BYTES,
+    warmup = IterationOutcome(iteration=trace.iteration, stage=Stage.WARMUP, policy=None,
+                              peak_device_bytes=BUDGET_BYTES,
                               iteration_s=trace.iteration_s if warmup_s is None else warmup_s, stall_s=0.0,
-                              attempt_stall_s=0.0, passive_swaps=0, oom_retries=0, profiled=True,
+                              attempt_stall_s=0.0, oom_retries=0, profiled=True,
                               saved_bytes=100 * MIB)
     controller.record(warmup)
     controller.follow(Transition(Stage.WARMUP, Stage.GEN_POLICY, TransitionCause.PROFILED, ""), warmup)
@@ -66,8 +68,9 @@ def _generated(link_bytes_per_s: float, warmup_s: float | None = None) -> tuple[
 def _trial(policy: Policy, peak_bytes: int = BUDGET_BYTES, iteration_s: float = 0.1, passive_swap_bytes: int = 0,
            oom_retries: int = 0, stage: Stage = Stage.GEN_POLICY) -> IterationOutcome:
     passive_swaps = -(-passive_swap_bytes // MIB)  # one passive swap per MiB
-    return IterationOutcome(iteration=10, stage=stage, policy=policy, peak_bytes=peak_bytes, iteration_s=iteration_s,
-                            stall_s=0.0, attempt_stall_s=0.0, passive_swaps=passive_swaps, oom_retries=oom_retries,
+    return IterationOutcome(iteration=10, stage=stage, policy=policy, peak_device_bytes=peak_bytes,
+                            iteration_s=iteration_s, stall_s=0.0, attempt_stall_s=0.0,
+                            swaps=SwapFigures(passive_swaps=passive_swaps), oom_retries=oom_retries,
                             profiled=False, saved_bytes=100 * MIB, passive_swap_bytes=passive_swap_bytes)
 
 
@@ -103,8 +106,9 @@ def _none_held(swap_all_passive_swaps: int) -> PolicyController:
     """None predicted to fit (a slow link), and every trial went over the budget with passive swaps (none
     held), after a WarmUp that swapped everything with ``swap_all_passive_swaps``; then the move to Stable."""
     controller, trace, closest = _generated(SLOW_LINK_BYTES_PER_S)
-    warmup = dataclasses.replace(_trial(None, stage=Stage.WARMUP), iteration=9, peak_bytes=BUDGET_BYTES - MIB,
-                                 passive_swaps=swap_all_passive_swaps)
+    warmup = dataclasses.replace(_trial(None, stage=Stage.WARMUP), iteration=9,
+                                 peak_device_bytes=BUDGET_BYTES - MIB,
+                                 swaps=SwapFigures(passive_swaps=swap_all_passive_swaps))
     controller.record(warmup)
     policy = closest
     for _ in range(3):

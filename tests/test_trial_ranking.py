@@ -43,8 +43,8 @@ def _controller(trials: int, ranking: TrialRanking | None = None) -> PolicyContr
 
 
 def _outcome(stage: Stage, policy: Policy | None, iteration_s: float, iteration: int) -> IterationOutcome:
-    return IterationOutcome(iteration=iteration, stage=stage, policy=policy, peak_bytes=90 * MIB,
-                            iteration_s=iteration_s, stall_s=0.0, attempt_stall_s=0.0, passive_swaps=0,
+    return IterationOutcome(iteration=iteration, stage=stage, policy=policy, peak_device_bytes=90 * MIB,
+                            iteration_s=iteration_s, stall_s=0.0, attempt_stall_s=0.0,
                             oom_retries=0, profiled=False)
 
 

@@ -71,9 +71,9 @@ def test_the_controller_generates_for_the_largest_shape_it_saw_not_only_the_trac
         settings = PolicySettings(budget_bytes=80 * MIB, d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, min_swap_bytes=MIB)
         controller = PolicyController(settings, capacity_bytes=90 * MIB)
         for iteration, by_layer, profiled in ((trace.iteration - 1, earlier, False), (trace.iteration, traced, True)):
-            outcome = IterationOutcome(iteration=iteration, stage=Stage.WARMUP, policy=None, peak_bytes=80 * MIB,
+            outcome = IterationOutcome(iteration=iteration, stage=Stage.WARMUP, policy=None, peak_device_bytes=80 * MIB,
                                        iteration_s=trace.iteration_s, stall_s=0.0, attempt_stall_s=0.0,
-                                       passive_swaps=0, oom_retries=0, profiled=profiled,
+                                       oom_retries=0, profiled=profiled,
                                        saved_bytes=sum(by_layer.values()), saved_bytes_by_layer=by_layer)
             controller.record(outcome)
         controller.follow(Transition(Stage.WARMUP, Stage.GEN_POLICY, TransitionCause.PROFILED, ""), outcome)

@@ -1,6 +1,7 @@
 """What the swap executor receives for one iteration (``IterationContext``), what it counts meanwhile
-(``SwapCounters``) and reports back at the end (``SwapFigures``, nested in ``IterationReport``), and what a
-detailed profiler hears from it (``SwapObserver``)."""
+(``SwapCounters``) and reports back at the end (``SwapFigures``, nested in ``IterationReport``; its fields,
+declared once in ``trace/swap_figures.py``, are also the counters'), and what a detailed profiler hears from
+it (``SwapObserver``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from chameleon_dist.executor.matching import MatchCounts
 from chameleon_dist.policy.model import Policy
+from chameleon_dist.trace.swap_figures import SwapFigures, counting_twin
 
 
 def _unknown_op_count() -> int:
@@ -79,60 +81,26 @@ class IterationContext:
     layer_clock: Callable[[], int] = _no_layer
 
 
-@dataclasses.dataclass(frozen=True)
-class SwapFigures:
-    """What the executor did during one iteration, as ``IterationReport.swaps`` (after an out-of-memory retry:
-    during the attempt that completed). The names are the report's JSON keys (``IterationReport.to_dict``)."""
-
-    swap_out_bytes: int = 0
-    swap_in_bytes: int = 0
-    swapped_storages: int = 0  # storages copied out (views of one storage share one copy)
-    prefetched: int = 0
-    kept_on_device_bytes: int = 0  # swaps host_memory_budget refused: those tensors stayed on the device
-    passive_swaps: int = 0  # kept tensors swapped out synchronously because the device ran out of memory
-    pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs (their time is stall)
-    matched_exact: int = 0
-    matched_fuzzy: int = 0
-    unmatched: int = 0  # saved storages a policy could not place confidently (kept on the device)
-    on_demand_fetches: int = 0  # planned swap-ins that had not started when backward needed the tensor
-    reused_original_bytes: int = 0  # restores that reused a still-alive device original (no copy, no new bytes)
-    delayed_swap_outs: int = 0  # swap-outs the policy placed after the save, issued at their op
-    late_swap_outs: int = 0  # ... whose op never came (the sequence moved): issued when backward began
-    recomputed_bytes: int = 0  # saved storages rebuilt from their producer's inputs instead of swapped
-    recompute_unavailable: int = 0  # planned recomputes kept on the device (producer not found exactly)
-    skipped_entries: int = 0  # policy entries whose tensor this iteration did not save (an idle expert)
-    evicted_prefetches: int = 0  # prefetched swap-ins given back under memory pressure (fetched again on use)
-
-
 _MATCH_FIGURES = {"matched_exact": "exact", "matched_fuzzy": "fuzzy", "unmatched": "unmatched",
                   "skipped_entries": "skipped"}  # SwapFigures name: the matcher's own (MatchCounts)
 
 
-@dataclasses.dataclass
-class SwapCounters:
-    """What the executor did during one iteration (after an out-of-memory retry: during the attempt
-    that completed)."""
+# The counts of ``SwapFigures`` the executor keeps itself (the matcher keeps those in _MATCH_FIGURES)
+_FigureCounts = counting_twin(SwapFigures, _MATCH_FIGURES, "_FigureCounts", __name__)
 
-    swap_out_bytes: int = 0
-    swap_in_bytes: int = 0
-    swapped_storages: int = 0  # storages copied out (views of one storage share one copy)
-    kept_on_device_bytes: int = 0  # swaps host_memory_budget refused: those tensors stayed on the device
-    prefetched: int = 0
+
+@dataclasses.dataclass
+class SwapCounters(_FigureCounts):
+    """What the executor did during one iteration (after an out-of-memory retry: during the attempt
+    that completed): every count of ``SwapFigures`` (declared there, once: the fields of ``_FigureCounts``,
+    and ``matches``), and what only the runtime and the profiler read (the fields below)."""
+
     saved_bytes: list[int] = dataclasses.field(default_factory=list)  # every tensor autograd saved, in order
     saved_bytes_by_layer: dict[int, int] = dataclasses.field(default_factory=dict)  # ... summed per layer (-1: none)
-    on_demand_fetches: int = 0  # swap-ins started only when backward needed the tensor
-    reused_original_bytes: int = 0  # restores that reused the still-alive device original (no copy)
     passive_swap_bytes: int = 0  # kept tensors swapped out synchronously under memory pressure
-    passive_swaps: int = 0
-    pressure_waits: int = 0  # out-of-memory averted by waiting for in-flight swap-outs alone
-    evicted_prefetches: int = 0  # unused swap-ins given back under memory pressure (NOTE [Relief under pressure])
     matches: MatchCounts = dataclasses.field(default_factory=MatchCounts)
-    delayed_swap_outs: int = 0  # swap-outs a policy placed after the save (issued at their op)
-    late_swap_outs: int = 0  # ... whose op never came: issued when backward began (NOTE [Placed swaps])
     prefetches_deferred: int = 0  # planned swap-ins that waited an op: they would have gone over the budget
-    recomputed_bytes: int = 0  # storages rebuilt from their producer's inputs (NOTE [Per-tensor recompute])
     recomputed_storages: int = 0
-    recompute_unavailable: int = 0  # planned recomputes whose producer was not found exactly: kept instead
     # (op count, "out" | "release" | "in", save ordinal) of each placed point the executor carried out, in
     # order: what the policy's simulator predicted, as it ran (NOTE [Placed swaps] in executor/schedule.py)
     placed: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)

@@ -91,7 +91,7 @@ class SwapAllBaseline:
         if not outcome.oom_retries:  # what the last resort measured, to compare trials with
             self.iteration_s = outcome.iteration_s
             if outcome.stage == Stage.WARMUP:
-                self.peak_bytes = outcome.peak_bytes
+                self.peak_bytes = outcome.peak_device_bytes
         if outcome.stage == Stage.WARMUP:
             self.held = not (outcome.oom_retries or outcome.passive_swaps)
 

@@ -87,7 +87,7 @@ Rule = Callable[[IterationOutcome, JudgedState], "Judgement | None"]
 
 def _over_budget_reason(outcome: IterationOutcome, state: JudgedState) -> str:
     assert outcome.policy is not None
-    return (f"peak {format_bytes(outcome.peak_bytes)} above memory_budget {format_bytes(state.budget_bytes)} "
+    return (f"peak {format_bytes(outcome.peak_device_bytes)} above memory_budget {format_bytes(state.budget_bytes)} "
             f"under policy {outcome.policy.name}")
 
 
@@ -110,7 +110,7 @@ def not_stable_under_the_chosen(outcome: IterationOutcome, state: JudgedState) -
 def scaled_for_a_grown_shape(outcome: IterationOutcome, state: JudgedState) -> Judgement | None:
     """The chosen policy did not hold (passive swaps, a peak over what it must stay under) on an iteration
     that saved more than its trace, without a retry: a policy for the trace grown alike was applied."""
-    failed = outcome.passive_swaps or outcome.peak_bytes > state.allowed_peak_bytes
+    failed = outcome.passive_swaps or outcome.peak_device_bytes > state.allowed_peak_bytes
     if failed and not outcome.oom_retries and state.scale_for(outcome):
         return Judgement("scaled_for_a_grown_shape", absorbed=bool(outcome.passive_swaps))
     return None
@@ -120,7 +120,7 @@ def predicted_short(outcome: IterationOutcome, state: JudgedState) -> Judgement 
     """Within what it must stay under, the passive swaps of a policy predicted short are about what its
     trials measured: the remainder it was chosen to leave to passive swap."""
     assert outcome.policy is not None
-    if outcome.peak_bytes <= state.allowed_peak_bytes and state.expected_passive_swaps(outcome.policy, outcome):
+    if outcome.peak_device_bytes <= state.allowed_peak_bytes and state.expected_passive_swaps(outcome.policy, outcome):
         return Judgement("predicted_short", absorbed=True)
     return None
 
@@ -135,7 +135,7 @@ def slightly_short_near_floor(outcome: IterationOutcome, state: JudgedState) -> 
     if not (outcome.passive_swaps and not outcome.oom_retries and state.swap_all_fits()
             and 0 < outcome.passive_swap_bytes <= SLIGHTLY_SHORT_SHARE * state.needed_bytes):
         return None
-    shortfall_bytes = max(outcome.passive_swap_bytes, outcome.peak_bytes - state.allowed_peak_bytes, 1)
+    shortfall_bytes = max(outcome.passive_swap_bytes, outcome.peak_device_bytes - state.allowed_peak_bytes, 1)
     reason = f"{outcome.passive_swaps} passive swap(s) ({format_bytes(outcome.passive_swap_bytes)}) under policy {policy.name}"
     if state.tighten_in_place(policy, shortfall_bytes, reason, peak_within_capacity=True) or state.swap_all_in_place(reason):
         return Judgement("slightly_short_near_floor", absorbed=True, tightened=True)
@@ -144,7 +144,7 @@ def slightly_short_near_floor(outcome: IterationOutcome, state: JudgedState) -> 
 
 def over_budget_with_passive_swaps(outcome: IterationOutcome, state: JudgedState) -> Judgement | None:
     """Over what the policy must stay under, with passive swaps: it no longer holds (no in-place remedy)."""
-    if outcome.peak_bytes > state.allowed_peak_bytes and outcome.passive_swaps:
+    if outcome.peak_device_bytes > state.allowed_peak_bytes and outcome.passive_swaps:
         return Judgement("over_budget_with_passive_swaps", over_budget_reason=_over_budget_reason(outcome, state))
     return None
 
@@ -153,11 +153,11 @@ def over_budget_tightened_in_place(outcome: IterationOutcome, state: JudgedState
     """Over what the policy must stay under: a stricter policy from the same trace in place, or, when none
     is predicted, swapping everything in place (near the floor). Passes when neither could be done."""
     allowed = state.allowed_peak_bytes
-    if outcome.peak_bytes <= allowed:
+    if outcome.peak_device_bytes <= allowed:
         return None
     assert outcome.policy is not None
     reason = _over_budget_reason(outcome, state)
-    if (state.tighten_in_place(outcome.policy, outcome.peak_bytes - allowed, reason)
+    if (state.tighten_in_place(outcome.policy, outcome.peak_device_bytes - allowed, reason)
             or (state.no_stricter_policy and state.swap_all_in_place(reason))):
         return Judgement("over_budget_tightened_in_place", tightened=True)
     return None
@@ -167,8 +167,8 @@ def over_budget_within_capacity(outcome: IterationOutcome, state: JudgedState) -
     """Over what the policy must stay under, but within the capacity with nothing passively swapped:
     variance (routing, lengths) the in-place tightenings did not remove, not a new program, so profiling
     again would find the same: the policy is kept."""
-    capacity_bytes = state.capacity_bytes
-    if outcome.peak_bytes > state.allowed_peak_bytes and capacity_bytes is not None and outcome.peak_bytes <= capacity_bytes:
+    capacity_bytes, peak_bytes = state.capacity_bytes, outcome.peak_device_bytes
+    if peak_bytes > state.allowed_peak_bytes and capacity_bytes is not None and peak_bytes <= capacity_bytes:
         assert outcome.policy is not None
         logger.info("%s, within the capacity %s and with no passive swap: policy %s kept",
                     _over_budget_reason(outcome, state), format_bytes(capacity_bytes), outcome.policy.name)
@@ -178,7 +178,7 @@ def over_budget_within_capacity(outcome: IterationOutcome, state: JudgedState) -
 
 def over_budget(outcome: IterationOutcome, state: JudgedState) -> Judgement | None:
     """Over what the policy must stay under, and nothing above absorbed it: the runtime profiles again."""
-    if outcome.peak_bytes > state.allowed_peak_bytes:
+    if outcome.peak_device_bytes > state.allowed_peak_bytes:
         return Judgement("over_budget", over_budget_reason=_over_budget_reason(outcome, state))
     return None
 

@@ -12,29 +12,41 @@ from typing import Mapping
 
 from chameleon_dist.policy.model import Policy
 from chameleon_dist.trace.stages import RetryCause, Stage
+from chameleon_dist.trace.swap_figures import SwapFigures
 
 
 @dataclasses.dataclass(frozen=True)
 class IterationOutcome:
-    """What one completed iteration did, as the controller needs it. ``passive_swaps`` are those of the
-    attempt that completed; ``oom_retries`` counts the attempts that did not, and
-    ``failed_attempt_passive_swaps`` the passive swaps they needed (they still mean the policy did not
-    hold)."""
+    """What one completed iteration did, as the controller needs it. ``swaps`` is what the executor did in
+    the attempt that completed (the record the iteration's report holds: every count of ``SwapFigures``,
+    ``passive_swaps`` also readable as ``outcome.passive_swaps``); ``oom_retries`` counts the attempts that
+    did not complete, and ``failed_attempt_passive_swaps`` the passive swaps they needed (they still mean
+    the policy did not hold)."""
 
     iteration: int
     stage: Stage
     policy: Policy | None  # the policy the iteration started with (None: every eligible tensor swapped)
-    peak_bytes: int
+    peak_device_bytes: int  # the whole iteration's (the report's ``peak_device_bytes``)
     iteration_s: float
     stall_s: float  # the whole iteration's, failed attempts included
     attempt_stall_s: float  # the completed attempt's
-    passive_swaps: int
     oom_retries: int
     profiled: bool  # a detailed trace of this iteration was recorded (WarmUp)
+    swaps: SwapFigures = dataclasses.field(default_factory=SwapFigures)  # the completed attempt's counts
     saved_bytes: int = 0  # bytes autograd saved for backward in the completed attempt
     passive_swap_bytes: int = 0  # bytes passive swap moved in the completed attempt (0: none, or not known)
     failed_attempt_passive_swaps: int = 0  # passive swaps of the attempts that did not complete (never absorbed)
     saved_bytes_by_layer: Mapping[int, int] = dataclasses.field(default_factory=dict)  # saved_bytes per layer (-1: none)
+
+    @property
+    def passive_swaps(self) -> int:
+        """``swaps.passive_swaps``: kept tensors the completed attempt swapped out under memory pressure."""
+        return self.swaps.passive_swaps
+
+    @property
+    def peak_bytes(self) -> int:
+        """The older name of ``peak_device_bytes`` (read-only), for code written before issue 38."""
+        return self.peak_device_bytes
 
 
 @dataclasses.dataclass(frozen=True)

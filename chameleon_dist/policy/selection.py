@@ -295,7 +295,7 @@ class PolicyController:
         policy = outcome.policy
         if outcome.stage != Stage.GEN_POLICY or policy is None:
             return
-        held = trial_held(policy, outcome.peak_bytes, self.allowed_peak_bytes, outcome.passive_swaps,
+        held = trial_held(policy, outcome.peak_device_bytes, self.allowed_peak_bytes, outcome.passive_swaps,
                           outcome.oom_retries)
         # a trial on a shape larger than the traced one that failed, failed for the shape: no feedback
         grew = self.decisions.growth(outcome) > 1 + GROWTH_TOLERANCE
@@ -329,7 +329,8 @@ class PolicyController:
             transition.cause == TransitionCause.OVER_BUDGET
             or (transition.cause == TransitionCause.PASSIVE_SWAP and outcome.passive_swaps)
         ):
-            self._tighten(outcome.policy, max(outcome.passive_swap_bytes, outcome.peak_bytes - self.allowed_peak_bytes))
+            over_bytes = outcome.peak_device_bytes - self.allowed_peak_bytes
+            self._tighten(outcome.policy, max(outcome.passive_swap_bytes, over_bytes))
 
     def on_out_of_memory(self, policy_applied: Policy | None, refused_bytes: int, min_swap_bytes: int) -> RetryAction:
         """An attempt ran out of memory; what the retry changes (the executor applies it). ``policy_applied``
@@ -392,7 +393,7 @@ class PolicyController:
         times rescaled when they were off, the next policies aiming lower by what the trial missed."""
         policy, learned, trials = outcome.policy, self.learned, self.round
         assert policy is not None
-        trials.results.append(TrialResult(policy, outcome.iteration_s, outcome.peak_bytes, held, outcome.passive_swap_bytes))
+        trials.results.append(TrialResult(policy, outcome.iteration_s, outcome.peak_device_bytes, held, outcome.passive_swap_bytes))
         feedback = trial_feedback(outcome, self.settings.budget_bytes, self._stricter_step_bytes(), grew)
         if feedback.time_ratio is not None:
             learned.time_scale *= feedback.time_ratio

@@ -121,13 +121,13 @@ def trial_feedback(outcome: IterationOutcome, budget_bytes: int, unknown_miss_by
     time_ratio = ratio if stalled and abs(ratio - 1) > TIME_TOLERANCE else None
     if grew:
         return TrialFeedback(time_ratio, 0, "")
-    if outcome.peak_bytes > budget_bytes and outcome.peak_bytes > policy.predicted_peak_bytes:
-        return TrialFeedback(time_ratio, outcome.peak_bytes - max(policy.predicted_peak_bytes, 1),
+    if outcome.peak_device_bytes > budget_bytes and outcome.peak_device_bytes > policy.predicted_peak_bytes:
+        return TrialFeedback(time_ratio, outcome.peak_device_bytes - max(policy.predicted_peak_bytes, 1),
                              "peaked above its prediction by")
     if outcome.passive_swaps and not outcome.oom_retries and policy.feasible:
         return TrialFeedback(time_ratio, max(1, outcome.passive_swap_bytes or unknown_miss_bytes),
                              "was predicted to fit but passive swap moved")
-    if outcome.passive_swaps and not outcome.oom_retries and outcome.peak_bytes <= budget_bytes:
+    if outcome.passive_swaps and not outcome.oom_retries and outcome.peak_device_bytes <= budget_bytes:
         return TrialFeedback(time_ratio, 0, "held predicted short; passive swap moved", outcome.passive_swap_bytes)
     return TrialFeedback(time_ratio, 0, "")
 
