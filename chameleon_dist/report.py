@@ -1,16 +1,20 @@
 """``IterationReport``: what one training iteration did, as the runtime saw it.
 
 The report nests the records its parts made: the executor's counts (``swaps``, a ``SwapFigures``), the
-profiler's comparison with the reference sequence (``comparison``) and the stage machine's move
-(``transition``). ``to_dict()`` flattens them into the JSON keys reports always had; every count in
-``swaps`` and the most-read comparison values are also attributes of the report itself
-(``report.passive_swaps`` is ``report.swaps.passive_swaps``).
+memory figures (``memory``, a ``MemoryFigures``: capacity, budgets, host pool), the times (``times``, a
+``TimeFigures``), the profiler's comparison with the reference sequence (``comparison``) and the stage machine's
+move (``transition``). ``to_dict()`` flattens them into the JSON keys reports always had, plus
+``schema_version`` (``chameleon_dist.schema_version``); every field of ``swaps``, ``memory`` and ``times`` and the
+most-read comparison values are also attributes of the report itself (``report.passive_swaps`` is
+``report.swaps.passive_swaps``, ``report.capacity_bytes`` is ``report.memory.capacity_bytes``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any
+
+from chameleon_dist.schema_version import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 
 if TYPE_CHECKING:  # annotations only: the report imports none of the parts it describes
     from chameleon_dist.executor.context import SwapFigures
@@ -32,11 +36,32 @@ _JSON_ORDER = (
     "host_memory_budget_bytes", "iteration_s_lag", "verdict_rule",
 )
 
-_NESTED = ("swaps", "comparison", "transition")  # flattened by ``to_dict``
+_NESTED = ("swaps", "memory", "times", "comparison", "transition")  # flattened by ``to_dict``
+_READ_THROUGH = ("memory", "times", "swaps")  # records whose fields are the report's attributes too
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFigures:
+    """The iteration's device capacity and budgets, and the host pool's size and budget (bytes)."""
+
+    capacity_bytes: int
+    memory_budget_bytes: int
+    host_pool_bytes: int
+    host_memory_budget_bytes: int | None = None  # this rank's host budget (a share of the node's RAM); None: unbounded
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeFigures:
+    """The iteration's device time and its stall (seconds; see ``IterationReport`` for Stable's lag)."""
+
+    stall_s: float
+    iteration_s: float
+    iteration_s_lag: int = 0  # iterations ``iteration_s`` lags (Stable: usually 1)
 
 
 def _field_names(record: Any) -> tuple[str, ...]:
-    """The field names of the dataclass ``record`` (the report reads ``swaps``' through by them)."""
+    """The field names of the dataclass (or dataclass type) ``record`` (the report reads its nested records'
+    fields through by them)."""
     return tuple(field.name for field in dataclasses.fields(record))
 
 
@@ -84,11 +109,8 @@ class IterationReport:
     enabled: bool  # chameleon.enabled: false means measured only, nothing swapped
     stage: str
     peak_device_bytes: int
-    capacity_bytes: int
-    memory_budget_bytes: int
-    host_pool_bytes: int
-    stall_s: float
-    iteration_s: float
+    memory: MemoryFigures  # capacity, memory budget, host pool and host budget
+    times: TimeFigures  # iteration time, stall, lag
     policy_version: int
     num_ops: int
     oom_retries: int
@@ -101,23 +123,26 @@ class IterationReport:
     failed: bool = False  # the iteration raised (``error``): nothing after the failing op happened
     error: str = ""  # the exception's type and first line, for a failed iteration
     rank: str = ""  # the rank's coordinates in a distributed job (``RankCoordinates.label``); "" alone
-    host_memory_budget_bytes: int | None = None  # this rank's host budget (a share of the node's RAM); None: unbounded
-    iteration_s_lag: int = 0  # iterations ``iteration_s`` lags (Stable: usually 1; see above)
     verdict_rule: str | None = None  # the policy controller's rule that judged it (``policy.judgement``); None: failed
 
-    # ---- the executor's counts, read through (``swaps``): every field of ``SwapFigures``, none named here ----
+    # ---- the nested records, read through (``memory``, ``times``, ``swaps``): their fields, none named here ----
     def __getattr__(self, name: str) -> Any:
-        """``report.<name>`` is ``report.swaps.<name>`` for each field of ``SwapFigures`` (read-only: the report
-        is frozen), so that a count declared there is a report attribute without another line here."""
-        swaps = self.__dict__.get("swaps")  # (not ``self.swaps``: absent while a copy or unpickling builds one)
-        if swaps is not None and not name.startswith("_") and name in _field_names(swaps):
-            return getattr(swaps, name)
+        """``report.<name>`` is ``report.swaps.<name>`` for each field of ``SwapFigures`` (and the same for
+        ``memory`` and ``times``; read-only: the report is frozen), so that a count declared there is a report
+        attribute without another line here."""
+        if not name.startswith("_"):
+            for record in self._read_through():
+                if name in _field_names(record):
+                    return getattr(record, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
+    def _read_through(self) -> list[Any]:
+        # (``self.__dict__``, not ``self.swaps``: absent while a copy or unpickling builds one)
+        return [record for record in map(self.__dict__.get, _READ_THROUGH) if record is not None]
+
     def __dir__(self) -> list[str]:
-        """The report's names with ``swaps``' fields among them (completion in a shell, ``dir(report)``)."""
-        swaps = self.__dict__.get("swaps")
-        return sorted(set(super().__dir__()) | set(_field_names(swaps) if swaps is not None else ()))
+        """The report's names with the nested records' fields among them (completion in a shell, ``dir(report)``)."""
+        return sorted(set(super().__dir__()).union(*(_field_names(record) for record in self._read_through())))
 
     # ---- the sequence comparison, read through (``comparison``; a failed iteration: no change) ----
     @property
@@ -157,7 +182,8 @@ class IterationReport:
     def to_dict(self) -> dict[str, Any]:
         """The report as the flat JSON object it always was (the nested records' fields at the top level)."""
         flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NESTED}
-        flat.update(dataclasses.asdict(self.swaps))
+        for record in (self.memory, self.times, self.swaps):
+            flat.update(dataclasses.asdict(record))
         flat.update(
             sequence_changed=self.sequence_changed,
             sequence_change_major=self.sequence_changed,  # deprecated (see above): goes in the next release
@@ -168,13 +194,21 @@ class IterationReport:
             sequence_change_kind=self.sequence_change_kind,
             stage_transition=self.stage_transition,
         )
-        return {key: flat.pop(key) for key in _JSON_ORDER if key in flat} | flat
+        return {key: flat.pop(key) for key in _JSON_ORDER if key in flat} | flat | {SCHEMA_VERSION_KEY: SCHEMA_VERSION}
+
+    @classmethod
+    def of(cls, **fields: Any) -> "IterationReport":
+        """A report from its flat fields (as ``to_dict()`` names them): ``capacity_bytes`` and the other fields
+        of ``MemoryFigures`` and ``TimeFigures`` are gathered into ``memory`` and ``times``."""
+        for name, record in (("memory", MemoryFigures), ("times", TimeFigures)):
+            fields[name] = record(**{f: fields.pop(f) for f in _field_names(record) if f in fields})
+        return cls(**fields)
 
     @classmethod
     def completed(cls, iteration: int, iteration_s: float, profile: Any, **measured: Any) -> "IterationReport":
         """A completed iteration: ``profile`` is the profiler's ``IterationProfile`` (stage, signature,
         comparison with the reference, transition); ``measured`` the fields a failed one has too."""
-        return cls(
+        return cls.of(
             iteration=iteration,
             stage=str(profile.stage),  # the plain string ("stable"), as reports always had
             iteration_s=iteration_s,
@@ -189,7 +223,7 @@ class IterationReport:
                     **measured: Any) -> "IterationReport":
         """An iteration that raised ``exc``: what it did until then, and the error (no sequence comparison,
         no transition: the iteration is not counted)."""
-        return cls(
+        return cls.of(
             iteration=iteration,
             stage=str(stage),
             iteration_s=iteration_s,

@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "chameleon_dist"
 # Which top-level parts of chameleon_dist each part may import (one-way: lower parts never import higher ones).
 ALLOWED = {
     "units": set(),
+    "schema_version": set(),  # the version every JSON document carries
     "config": {"units"},
     "patching": {"units"},
     "trace": {"units"},
@@ -21,7 +22,7 @@ ALLOWED = {
     # recorded through the profiler
     "models": {"units", "trace", "device", "profiler"},
     "planner": {"units", "trace", "policy", "config", "models"},
-    "report": {"units"},
+    "report": {"units", "schema_version"},
     "ranks": {"units"},
     "retry": {"units", "device"},
     # the modules' buffers a retry gives back: which ops write them is the trace's vocabulary
