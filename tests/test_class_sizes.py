@@ -29,6 +29,11 @@ CORE_CLASSES = {
 # must still exist (a stale entry fails).
 TEMPORARY_ALLOWANCE: dict[str, set[str]] = {
     "executor/context.py": {"SwapCounters"},
+    # HardwareProfile (24) stays for now: its fields are at once the profile files' flat keys, the flat
+    # ``model_dump`` in the planner JSON, the names in its error messages and unknown-key suggestions (from
+    # ``model_fields``), and the keys of ``model_copy(update=...)`` (sensitivity.py, tests): nesting a group
+    # would need a pre-validator, a flattening serializer and error rewriting to keep those, and a flat-name
+    # ``model_copy`` on a nested field is silently ignored (the forwarding property shadows it).
     "planner/profiles.py": {"HardwareProfile"},
     "report.py": {"IterationReport"},
 }
