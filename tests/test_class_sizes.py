@@ -24,13 +24,15 @@ CORE_CLASSES = {
     "policy/stable.py": {"StableDecisions"},
 }
 
-# TEMPORARY: classes over their limit when the rule came in (issue 38), owned by other work (PolicyController and
-# SwapCounters are being restructured in parallel). The lead empties this after merging; a class listed here
-# must still exist (a stale entry fails).
+# Classes over their limit, each with the reason it stays (issue 38 brought every other class under it). A class
+# listed here must still exist (a stale entry fails); one that shrank under the limit is taken off the list.
 TEMPORARY_ALLOWANCE: dict[str, set[str]] = {
-    "device/simulated/backend.py": {"SimulatedBackend"},
+    # HardwareProfile (24) stays for now: its fields are at once the profile files' flat keys, the flat
+    # ``model_dump`` in the planner JSON, the names in its error messages and unknown-key suggestions (from
+    # ``model_fields``), and the keys of ``model_copy(update=...)`` (sensitivity.py, tests): nesting a group
+    # would need a pre-validator, a flattening serializer and error rewriting to keep those, and a flat-name
+    # ``model_copy`` on a nested field is silently ignored (the forwarding property shadows it).
     "planner/profiles.py": {"HardwareProfile"},
-    "policy/model.py": {"Policy"},
 }
 
 

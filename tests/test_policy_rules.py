@@ -266,4 +266,4 @@ def test_the_reports_name_the_rules_that_fired():
     assert [(r.stage, r.verdict_rule) for r in reports] == [
         ("warmup", "not_stable_under_the_chosen"), ("warmup", "not_stable_under_the_chosen"),
         ("gen_policy", "trial"), ("gen_policy", "trial"), ("stable", "held"), ("stable", "held")]
-    assert list(reports[-1].to_dict())[-1] == "verdict_rule"
+    assert list(reports[-1].to_dict())[-2:] == ["verdict_rule", "schema_version"]

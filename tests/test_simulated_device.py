@@ -7,6 +7,7 @@ computed from those figures, not read back from the code under test."""
 from __future__ import annotations
 
 import gc
+import types
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch
 from chameleon_dist.device import EmulatedDevice, StreamHazardError
 from chameleon_dist.device.base import byte_view
 from chameleon_dist.device.dispatch import retryable
+from chameleon_dist.device.simulated import backend as backend_module
+from chameleon_dist.device.simulated.clock import DeviceClock
 from chameleon_dist.device.simulated.memory import block_bytes
 
 MiB = 2**20
@@ -288,3 +291,20 @@ def test_indexing_with_a_boolean_mask_makes_the_host_wait_for_the_device():
         picked = a[mask]
     assert picked.numel() == 128 * 128
     assert device.backend.clock.host_s >= 2 * 128**3 / 1e9
+
+
+def test_host_work_counts_a_fixed_cost_per_call_or_the_measured_wall_time_since_its_mark(monkeypatch):
+    """``HostWork``: with ``host_op_s`` each count adds that much host time; without, the wall time since the
+    mark (and ``restart`` moves the mark, so the time before it is not counted)."""
+    fixed = backend_module.HostWork(DeviceClock(), 0.25)
+    fixed.count()
+    fixed.count()
+    assert fixed.clock.host_s == 0.5 and not fixed.measured
+
+    wall_s = iter([10.0, 11.5, 20.0, 20.75])
+    monkeypatch.setattr(backend_module, "time", types.SimpleNamespace(perf_counter=lambda: next(wall_s)))
+    measured = backend_module.HostWork(DeviceClock(), None)  # mark at 10.0
+    measured.count()  # 11.5: 1.5 s counted
+    measured.restart()  # mark at 20.0: the 8.5 s between are not host work
+    measured.count_measured()  # 20.75: 0.75 s counted
+    assert measured.measured and measured.clock.host_s == 2.25

@@ -82,7 +82,7 @@ class SwapAllBaseline:
 
     peak_bytes: int = 0  # peak of the latest WarmUp iteration that swapped everything
     iteration_s: float | None = None  # ... its time (any stage), since the latest WarmUp began
-    held: bool = False  # ... and it needed no passive swap
+    held_alone: bool = False  # ... and it needed no passive swap
 
     def note(self, outcome: IterationOutcome) -> None:
         """An iteration that swapped everything (``outcome.policy`` None); others change nothing."""
@@ -93,12 +93,12 @@ class SwapAllBaseline:
             if outcome.stage == Stage.WARMUP:
                 self.peak_bytes = outcome.peak_device_bytes
         if outcome.stage == Stage.WARMUP:
-            self.held = not (outcome.oom_retries or outcome.passive_swaps)
+            self.held_alone = not (outcome.oom_retries or outcome.passive_swaps)
 
     def forget_timing(self) -> None:
         """Back to WarmUp from another stage: what it measured was on another sequence."""
         self.iteration_s = None
-        self.held = False
+        self.held_alone = False
 
     def fits_near_floor(self, capacity_bytes: int | None) -> bool:
         """The latest WarmUp iteration that swapped everything completed within the capacity (the floor

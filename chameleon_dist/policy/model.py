@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from chameleon_dist.units import format_bytes
 
@@ -116,7 +116,9 @@ class Policy:
     reason: str = ""  # why it does not fit, in words (empty when it fits)
     infeasibility: Infeasibility | None = None  # why it does not fit, for code to branch on (None: it fits)
     emulated: bool = True
-    schema_version: int = POLICY_SCHEMA_VERSION
+    # the file format this build writes and reads: a constant of the class, not a per-policy value (``from_dict``
+    # refuses any other), written after the fields as before
+    schema_version: ClassVar[int] = POLICY_SCHEMA_VERSION
 
     @property
     def shortfall_bytes(self) -> int:
@@ -156,6 +158,7 @@ class Policy:
     # ---- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("entries", "layers")}
+        data["schema_version"] = self.schema_version
         data["entry_fields"] = [f.name for f in dataclasses.fields(PolicyEntry)]
         data["entries"] = [[getattr(e, f) for f in data["entry_fields"]] for e in self.entries]
         data["layers"] = [dataclasses.astuple(load) for load in self.layers]
@@ -173,7 +176,7 @@ class Policy:
             values["decision"] = Decision(values["decision"])
             values["shape"] = tuple(values["shape"])
             entries.append(PolicyEntry(**values))
-        kwargs = {k: v for k, v in data.items() if k not in ("entries", "layers", "entry_fields")}
+        kwargs = {k: v for k, v in data.items() if k not in ("entries", "layers", "entry_fields", "schema_version")}
         if kwargs.get("infeasibility") is not None:
             kwargs["infeasibility"] = Infeasibility(kwargs["infeasibility"])
         return cls(entries=entries, layers=[LayerLoad(*row) for row in data["layers"]], **kwargs)

@@ -112,7 +112,7 @@ class StableDecisions:
                 f"swapping everything was measured faster ({swap_all_s * 1e3:.1f} ms/iteration) than "
                 f"every policy that held" if choice.swap_all_faster else f"none of {len(results)} policy trials "
                 "held the memory budget" + (", none is predicted to fit, and swapping everything held in WarmUp without "
-                                            "passive swap" if self.baseline.held else "")
+                                            "passive swap" if self.baseline.held_alone else "")
                 + " (lower memory_budget or min_swap_bytes if this repeats)"))
             return
         best = choice.best
@@ -137,7 +137,7 @@ class StableDecisions:
         if self.basis.trace is None:
             return False
         policies = policies_for(self.basis.trace, 1.0, self.settings_now())
-        if not policies or (self.baseline.held and not any(p.feasible for p in policies)):
+        if not policies or (self.baseline.held_alone and not any(p.feasible for p in policies)):
             return False  # (none predicted to fit, where swapping everything held: that is kept instead)
         self.stable.choose(fastest_fitting_else_lowest(policies))
         logger.warning("none of %d policy trials held the memory budget; policy %s, stricter by their feedback "

@@ -50,6 +50,37 @@ def _strided(leaves, device_type: str) -> list[torch.Tensor]:
             and t.device.type == device_type]
 
 
+class HostWork:
+    """The host's own work between kernels, on the device clock's host side: the wall time measured since the
+    last mark (``host_op_s`` None), or a fixed cost per call."""
+
+    def __init__(self, clock: DeviceClock, host_op_s: float | None) -> None:
+        self.clock = clock
+        self.host_op_s = host_op_s
+        self.wall_mark_s = time.perf_counter()
+
+    @property
+    def measured(self) -> bool:
+        return self.host_op_s is None
+
+    def count(self) -> None:
+        """The host did its own work since the last kernel: measured, or a fixed cost per call."""
+        if self.host_op_s is None:
+            self.count_measured()
+        else:
+            self.clock.advance_host(self.host_op_s)
+
+    def count_measured(self) -> None:
+        """The wall time since the mark, counted as host work; the mark moves to now."""
+        now_s = time.perf_counter()
+        self.clock.advance_host(now_s - self.wall_mark_s)
+        self.wall_mark_s = now_s
+
+    def restart(self) -> None:
+        """Count from now on (the wall time since the mark was not host work)."""
+        self.wall_mark_s = time.perf_counter()
+
+
 class SimulatedBackend:
     """A GPU's streams, clock and allocator over CPU tensors (see the module docstring).
 
@@ -72,18 +103,18 @@ class SimulatedBackend:
     """
 
     emulated = True
+    name = "simulated"
 
     def __init__(self, capacity_bytes: int, model: DeviceModel, check_hazards: bool = True,
                  meta_tensors: bool = False, caching_allocator: bool = False, expandable_segments: bool = False) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.meta_tensors = bool(meta_tensors)
-        self.tensor_device = "meta" if meta_tensors else "cpu"
         self.model = model
         self.clock = DeviceClock()
         # the clock's lock, over the counters and hazard checks too; the device's lock is this one (NOTE [Threads and
         # locks] in device/locking.py): ops from several threads (autograd's, a joined one) share the device
+        # (per op and copy the backend takes the plain ``clock.lock``; the device's entry points run deferred work)
         self.lock = SharedLock(self.clock.lock)
-        self._rlock = self.clock.lock  # (per op and copy: the plain lock; the device's entry points run deferred work)
         self.compute_stream = SimStream(self.clock, "compute")
         self.engine = EngineStreams(self.compute_stream, self._record_crossing)  # NOTE [Backward on its forward's stream]
         self.h2d_link, self.d2h_link = link_pair(model.h2d_bytes_per_s, model.d2h_bytes_per_s, model.duplex_factor)
@@ -91,29 +122,20 @@ class SimulatedBackend:
         self.allocator = SimAllocator(self.capacity_bytes, self.hazards, caching=caching_allocator,
                                       expandable_segments=expandable_segments)
         self.cost = KernelCostModel(model)
-        self.name = "simulated"
         self.op_index = 0  # device ops of the current iteration (in out-of-memory messages)
         self.kernels = 0
         self.kernel_busy_s = 0.0  # device seconds the compute streams ran kernels
         self.op_times_s: list[float] | None = None  # per-op observer (class docstring); None: off
-        self._host_op_s = model.host_op_s
-        self._wall_mark_s = time.perf_counter()
+        self._host = HostWork(self.clock, model.host_op_s)
         self._local = threading.local()
         self._stream_numbers = itertools.count(1)
 
+    @property
+    def tensor_device(self) -> str:
+        """The torch device type of the emulated device's tensors: "meta" with ``meta_tensors``, else "cpu"."""
+        return "meta" if self.meta_tensors else "cpu"
+
     # ---- the host clock ---------------------------------------------------------------------
-    def _host_work(self) -> None:
-        """The host did its own work since the last kernel: measured, or a fixed cost per call."""
-        if self._host_op_s is None:
-            self._measured_host_work()
-        else:
-            self.clock.advance_host(self._host_op_s)
-
-    def _measured_host_work(self) -> None:
-        now_s = time.perf_counter()
-        self.clock.advance_host(now_s - self._wall_mark_s)
-        self._wall_mark_s = now_s
-
     def host_time_s(self) -> float:
         """The host's clock (simulated: the work counted so far)."""
         return self.clock.host_s
@@ -123,7 +145,7 @@ class SimulatedBackend:
         since the mark was not its host's work (the CPU's eager computation of a kernel; a benchmark that
         interleaves several devices ran the others meanwhile: without this, that time lands on this device's
         next op). A fixed host cost per op is unaffected."""
-        self._wall_mark_s = time.perf_counter()
+        self._host.restart()
 
     # ---- streams and events -----------------------------------------------------------------
     def current_stream(self) -> SimStream:
@@ -142,8 +164,8 @@ class SimulatedBackend:
         now is counted first, as a GPU's host reaches its ``record`` only after that work: an iteration's start
         mark then follows the host's work before the iteration (e.g. the runtime's gradient snapshot), which
         would otherwise land on the iteration's first op, inside it."""
-        if self._host_op_s is None:
-            self._measured_host_work()
+        if self._host.measured:
+            self._host.count_measured()
         return SimEvent(self.clock, timing)
 
     def elapsed_s(self, start: SimEvent, end: SimEvent) -> float:
@@ -224,7 +246,7 @@ class SimulatedBackend:
         else it is counted here."""
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.tensor_device)
         if self.allocator.block_of(tensor.untyped_storage()) is None and nbytes > 0:
-            self._host_work()
+            self._host.count()
             self.allocator.allocate([tensor.untyped_storage()], self.current_stream(), "a swap-in's allocation",
                                     self.op_index)
         return tensor
@@ -247,8 +269,8 @@ class SimulatedBackend:
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """``destination.copy_(source)`` on the current stream: over the link when it crosses it, else a
         device-to-device kernel; the data is copied now (the hazard checker guards the timeline)."""
-        with self._rlock:
-            self._host_work()
+        with self.clock.lock:
+            self._host.count()
             self.hazards.raise_pending()
             stream = self.current_stream()
             allocator = self.allocator
@@ -284,8 +306,8 @@ class SimulatedBackend:
             if self.op_times_s is not None:
                 self.op_times_s.append(0.0)  # (host-side work: no kernel)
             return out
-        with self._rlock:
-            self._host_work()
+        with self.clock.lock:
+            self._host.count()
             self.hazards.raise_pending()
             stream = self.current_stream()
         if self.meta_tensors and func is _aten._local_scalar_dense.default and args[0].device.type == "meta":
@@ -294,7 +316,7 @@ class SimulatedBackend:
                 "that depends on data): meta tensors hold sizes only (device.meta_tensors: true). Run such code on "
                 "real tensors, or keep it out of the simulated step (NOTE [Meta tensors])")
         out = func(*args, **kwargs)
-        with self._rlock:  # (the kernel itself ran outside it: threads compute in parallel)
+        with self.clock.lock:  # (the kernel itself ran outside it: threads compute in parallel)
             self.restart_host_measurement()  # (the kernel's eager CPU time is not host time)
             self.op_index += 1
             device_type = self.tensor_device
