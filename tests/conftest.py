@@ -69,7 +69,7 @@ def _check_quick_tier_covers_every_module(items) -> None:
 def pytest_collection_modifyitems(config, items):
     import os
 
-    from tests.tiers import in_quick_tier, marker_names
+    from tests.tiers import ci_tier, in_quick_tier, marker_names
 
     quick = config.getoption("--quick")
     extended = config.getoption("--extended") or os.environ.get("CHAMELEON_EXTENDED") == "1"
@@ -82,10 +82,7 @@ def pytest_collection_modifyitems(config, items):
     kept, left_out = [], []
     for item in items:
         markers = marker_names(item)
-        if quick:
-            left = not in_quick_tier(markers)
-        else:
-            left = item.get_closest_marker("extended") is not None or item.get_closest_marker("multirank") is not None
+        left = not in_quick_tier(markers) if quick else ci_tier(markers) == "extended"
         (left_out if left else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
