@@ -4,7 +4,7 @@
 
 A test's time is the sum of its phases (set-up, call, tear-down: a module-scoped fixture's jobs count for
 the first test that asks for them). Its tier is read from its markers (``tests/tiers.py``) by collecting the
-suite in this process (``--extended``, nothing runs)."""
+suite in this process (``--extended``, nothing runs). Last line: the logged seconds of each tier's tests."""
 
 from __future__ import annotations
 
@@ -49,12 +49,27 @@ def table(seconds: dict[str, float], markers: dict[str, frozenset[str]], count: 
     return "\n".join(rows)
 
 
+def tier_totals_s(seconds: dict[str, float], markers: dict[str, frozenset[str]]) -> dict[str, float]:
+    """The logged seconds of each tier's tests (quick, default, extended; default holds quick's): tests'
+    own phases only, without collection and start-up."""
+    from tests.tiers import ci_tier, in_quick_tier
+
+    totals = {"quick": 0.0, "default": 0.0, "extended": 0.0}
+    for nodeid, s in seconds.items():
+        if nodeid in markers:
+            totals[ci_tier(markers[nodeid])] += s
+            totals["quick"] += s if in_quick_tier(markers[nodeid]) else 0.0
+    return totals
+
+
 def main(argv: list[str]) -> int:
     seconds = durations_s(Path(argv[0]).read_text(errors="replace"))
     count = int(argv[1]) if len(argv) > 1 else 20
     plugin = _Markers()
     pytest.main(["-qq", "--collect-only", "--extended", "-p", "no:cacheprovider"], plugins=[plugin])
     sys.stdout.write(table(seconds, plugin.by_nodeid, count) + "\n")
+    totals = tier_totals_s(seconds, plugin.by_nodeid)
+    sys.stdout.write("tests' own seconds by tier: " + ", ".join(f"{k} {v:.0f} s" for k, v in totals.items()) + "\n")
     return 0
 
 

@@ -48,7 +48,7 @@ def test_quick_collection_fails_naming_a_module_without_a_quick_test(pytester):
 
 
 def test_the_slowest_table_sums_a_tests_phases_and_names_its_tier():
-    from tests.slowest import durations_s, table
+    from tests.slowest import durations_s, table, tier_totals_s
 
     log = ("=== slowest durations ===\n12.50s setup    tests/test_a.py::test_x\n3.00s call     tests/test_a.py::test_x\n"
            "9.00s call     tests/test_b.py::test_y[1]\n0.10s teardown tests/test_b.py::test_z\nnoise 1.0s call\n")
@@ -57,3 +57,6 @@ def test_the_slowest_table_sums_a_tests_phases_and_names_its_tier():
     rows = table(seconds, {"tests/test_a.py::test_x": frozenset({"multirank"}), "tests/test_b.py::test_y[1]": frozenset()}, 2)
     assert rows.splitlines()[2:] == ["| 15.5 | extended | `tests/test_a.py::test_x` |",
                                      "| 9.0 | default + quick | `tests/test_b.py::test_y[1]` |"]
+    markers = {"tests/test_a.py::test_x": frozenset({"multirank", "quick"}), "tests/test_b.py::test_y[1]": frozenset({"slow"}),
+               "tests/test_b.py::test_z": frozenset()}
+    assert tier_totals_s(seconds, markers) == {"quick": 15.6, "default": 9.1, "extended": 15.5}
