@@ -8,8 +8,8 @@ also run as scripts run as modules from the root (``python -m tests.test_policy`
 script start it the same way (``python -m launch.gpu_check``, cwd the root).
 
 Every test runs with one intra-op thread (``_one_intra_op_thread``): the tests' models are tiny, and on the
-2-core machines CI uses a second thread costs more than it gives (the quick tier below took 5:07 with torch's
-default threads and 4:48 with one, 2026-12-01); the multi-rank jobs start their ranks with ``OMP_NUM_THREADS=1``
+2-core machines CI uses a second thread costs more than it gives (the run without multi-rank jobs, then called
+the quick tier, took 5:07 with torch's default threads and 4:48 with one, 2026-12-01); the multi-rank jobs start their ranks with ``OMP_NUM_THREADS=1``
 already."""
 
 import pytest
