@@ -122,6 +122,17 @@ def run_jobs(launcher: str, runs: list[dict], workdir: Path, timeout_s: float = 
     return {r["name"]: r for r in json.loads(out.read_text())}
 
 
+def selected_runs(request, runs: list[dict], reads) -> list[dict]:
+    """For a module-scoped fixture: the ``runs`` that the tests of its module selected in this session read
+    (``reads(item)``: the run names one test reads), in their order. The whole module still runs every run in
+    one batch; a tier or ``-k`` that selects one test starts only the jobs that test reads."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            wanted.update(reads(item))
+    return [run for run in runs if run["name"] in wanted]
+
+
 def completed(result: dict) -> dict:
     """The report of a run that every rank completed (else an assertion error with every rank's output)."""
     assert result["returncodes"] == [0] * result["world_size"], "\n\n".join(result["logs"])

@@ -15,6 +15,7 @@ from launch.bench import bench_dynamic
 from launch.bench.device_clock import DEFAULT_HOST_OP_S, device_figures, make_device
 
 
+@pytest.mark.slow  # (out of the quick tier: 9 s loaded; the option tests stay quick)
 def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
     threads = torch.get_num_threads()
     out_path = tmp_path / "bench.json"
@@ -67,6 +68,7 @@ def test_small_run_reports_both_cases_bit_identical(tmp_path, capsys):
     assert "all bit-identical: yes" in printed
 
 
+@pytest.mark.slow  # (out of the quick tier: 19 s loaded)
 def test_small_run_of_the_transformers_mixtral_cases_is_bit_identical(tmp_path, capsys):
     pytest.importorskip("transformers")
     out_path = tmp_path / "bench_hf.json"

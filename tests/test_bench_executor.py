@@ -13,6 +13,7 @@ from launch.bench import bench_executor, same_figures
 from launch.bench.device_clock import DEFAULT_HOST_OP_S, host_op_s_value
 
 
+@pytest.mark.slow  # (out of the quick tier: a small run of every variant, 19 s loaded; the option tests below stay quick)
 def test_small_run_reports_every_variant(tmp_path, capsys):
     threads = torch.get_num_threads()
     out_path = tmp_path / "bench.json"
@@ -65,6 +66,7 @@ def test_small_run_reports_every_variant(tmp_path, capsys):
     assert results["checks"]["all_bit_identical"]
 
 
+@pytest.mark.slow  # (out of the quick tier: two runs, 30 s loaded)
 def test_fixed_host_cost_runs_repeat_exactly(tmp_path, capsys):
     """Two runs with the fixed host cost report the same figures, to the last bit (besides the date, the machine
     and wall times): a regression here is a nondeterminism, e.g. a lifetime that follows malloc's addresses (the

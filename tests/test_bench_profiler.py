@@ -30,6 +30,7 @@ def test_verdict_reads_the_interval_against_the_goal(value, interval, expected):
     assert bench_profiler.verdict(value, interval, GOAL) == expected
 
 
+@pytest.mark.slow  # (out of the quick tier: 3.5 s loaded; the verdict cases stay quick)
 def test_quick_mode_prints_and_returns_both_ratios(tmp_path, capsys):
     out_path = tmp_path / "bench.json"
     threads = torch.get_num_threads()

@@ -1,12 +1,14 @@
 """Smoke test of launch/bench/bench_recompute.py on its tiny configuration: every variant reports, and every one
 trains bit-identically to the unconstrained run. Timings are measured, never asserted."""
 
+import pytest
 import torch
 
 from chameleon_dist.device.presets import get_preset
 from launch.bench import bench_recompute
 
 
+@pytest.mark.slow  # (out of the quick tier: 23 s loaded; the mid-size inputs test stays quick)
 def test_small_run_reports_every_variant_bit_identically(tmp_path, capsys):
     threads = torch.get_num_threads()
     results = bench_recompute.main(["--small", "--json", str(tmp_path / "r.json")])

@@ -26,6 +26,7 @@ def quick(tmp_path_factory):
     return json.loads((out / "scale.json").read_text()), out
 
 
+@pytest.mark.slow  # (out of the quick tier: reads the module's quick run, 29 s loaded; the bad-input cases stay quick)
 def test_quick_run_writes_the_json_contract(quick):
     result, out = quick
     assert result["simulated"] is True
@@ -40,6 +41,7 @@ def test_quick_run_writes_the_json_contract(quick):
     assert (out / "scale.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # (out of the quick tier: reads the module's quick run, 29 s loaded; the bad-input cases stay quick)
 def test_quick_rows_follow_from_their_runs(quick):
     result, _ = quick
     reference = result["reference"]
@@ -59,6 +61,7 @@ def test_quick_rows_follow_from_their_runs(quick):
             assert row["share_over_bound"] == pytest.approx(row["moved_share"] / row["bound_share"])
 
 
+@pytest.mark.slow  # (out of the quick tier: reads the module's quick run, 29 s loaded; the bad-input cases stay quick)
 def test_quick_targets_are_the_rows_arithmetic(quick):
     result, _ = quick
     limit = result["limit"]
@@ -76,6 +79,7 @@ def test_quick_targets_are_the_rows_arithmetic(quick):
             assert entry["no_slower_than_megatron"] == (ours["iteration_s"] <= fastest["iteration_s"])
 
 
+@pytest.mark.slow  # (out of the quick tier: reads the module's quick run, 29 s loaded; the bad-input cases stay quick)
 def test_quick_rows_carry_the_planners_prediction_and_its_error(quick):
     result, _ = quick
     predicted = [row for row in result["rows"] if row.get("predicted") and row["iteration_s"]]

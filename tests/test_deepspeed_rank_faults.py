@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rank_batch import selected_runs
+
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.multirank, pytest.mark.extended]  # (NOTEs [The multi-rank tier], [The extended tier])
 
@@ -27,11 +29,18 @@ RUNS = [
 ]
 
 
+READS = {"test_a_different_capacity_is_refused_on_every_rank": ["capacity"],
+         "test_chameleon_enabled_on_one_rank_only_is_refused": ["one-rank-only"],
+         "test_a_rank_killed_in_its_backward_is_named_by_the_survivor": ["killed-in-backward"]}
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
+    """Every run the selected tests read, in one batch (the whole module: all of RUNS)."""
     workdir = tmp_path_factory.mktemp("deepspeed_faults")
     spec, out = workdir / "runs.json", workdir / "results.json"
-    spec.write_text(json.dumps([{**run, "timeout_s": 150} for run in RUNS]))
+    runs = selected_runs(request, RUNS, lambda item: READS[item.originalname])
+    spec.write_text(json.dumps([{**run, "timeout_s": 150} for run in runs]))
     subprocess.run([sys.executable, "-m", "tests.fault_batch", "train_deepspeed", str(spec), str(out)], check=True,
                    timeout=900, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return {r["name"]: r for r in json.loads(out.read_text())}
@@ -52,6 +61,7 @@ def test_a_different_capacity_is_refused_on_every_rank(results):
         assert "iteration 1/3" not in log, logs
 
 
+@pytest.mark.quick  # (the module's test in the quick tier: one job, refused at initialize)
 def test_chameleon_enabled_on_one_rank_only_is_refused(results):
     result = results["one-rank-only"]
     logs = _logs(result)

@@ -215,6 +215,7 @@ def test_the_comparison_tool_reads_the_reports(results, capsys):
     assert compare_reports.main([reference, results["fp16-on"]["argv"][results["fp16-on"]["argv"].index("--report") + 1]]) == 1
 
 
+@pytest.mark.quick  # (the module's test in the quick tier: it reads the README, no job)
 def test_the_readme_commands_are_tested_layouts():
     """Every launcher line of the README's DeepSpeed section runs a layout these tests run, at its capacity."""
     readme = (REPO / "README.md").read_text().split("### The launcher: `launch/train_deepspeed.py`", 1)[1]

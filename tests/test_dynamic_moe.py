@@ -111,8 +111,11 @@ def _one_thread():
         yield
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
+QUICK_CASE = "top1_lengths"
+"""The case the quick tier runs (no transformers, the cheapest: 14 s loaded; the Mixtral cases are slow)."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == QUICK_CASE else pytest.mark.slow) for n in CASES])
 def test_moe_whose_routing_changes_every_iteration_stays_stable_at_half_capacity(name):
     swapped, plain, capacity = _run_at_half_capacity(name)
     summary = _summary(name, swapped, capacity)

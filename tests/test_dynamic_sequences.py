@@ -185,8 +185,7 @@ def test_a_random_batch_size_every_iteration_stays_mostly_stable():
     _check_mostly_stable(CASES["batch_size"], min_stable_share=0.85, max_stable_passive_swaps=0, max_retries=1)
 
 
-@pytest.mark.slow
-def test_a_length_seen_before_has_its_policy_before_it_comes_back():
+def test_a_length_seen_before_has_its_policy_before_it_comes_back():  # (the quick tier's test of the module: 5.5 s loaded)
     """Issue 27, item 1: the policies are made for what each layer saved at most in the recent iterations
     (here the length-128 iteration before the traced one), so no Stable iteration overshoots into passive
     swap or an out-of-memory retry when that length comes back. (Before: 2 out-of-memory retries and 22

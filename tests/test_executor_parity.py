@@ -55,10 +55,13 @@ def assert_bit_identical(reference, candidate):
             assert torch.equal(x, y), f"gradient {i} differs at step {step}"
 
 
-def test_fifty_steps_bit_identical_with_every_activation_swapped():
-    reference = train(50)
+def test_eight_steps_bit_identical_with_every_activation_swapped():
+    """(Was fifty steps, 12.5 s loaded. Every step's loss and every gradient are compared, not only the last, so
+    a swapped activation that comes back wrong fails at the first step it happens; eight Adam steps still reuse
+    the host pool's buffers seven times over and move the weights each step, as fifty did.)"""
+    reference = train(8)
     chameleon = Chameleon(_config())
-    candidate = train(50, chameleon)
+    candidate = train(8, chameleon)
     report = chameleon.last_report
     assert report.swap_out_bytes > 0 and report.swapped_storages > 10, "the test must really swap"
     assert report.swap_in_bytes + report.reused_original_bytes == report.swap_out_bytes, (

@@ -105,6 +105,7 @@ def test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_iden
     assert bench["emulated"] and "chameleon_swap" in bench["variants"]
 
 
+@pytest.mark.slow  # (out of the quick tier: a preflight in fresh interpreters, 15 s loaded)
 def test_a_missing_module_ends_the_check_before_any_part_naming_what_to_carry(tmp_path, monkeypatch, capsys):
     from launch import gpu_preflight
 
@@ -183,6 +184,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # (out of the quick tier: 3 s loaded)
 def test_a_part_past_its_time_limit_ends_with_every_process_it_started(tmp_path):
     """A part's process that started others (torchrun's ranks sit in sessions of their own) and outlives its limit:
     the part returns at its limit, and the processes it started are ended with it (they would keep the GPU, and

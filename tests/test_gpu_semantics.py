@@ -55,14 +55,25 @@ def test_planned_releases_lower_the_forward_peak_while_the_host_runs_ahead(unswa
     reference_losses, unswapped_peak_bytes = unswapped
     device = _lagging_device()
     chameleon = Chameleon({"memory_budget": int(unswapped_peak_bytes * 0.7), "min_swap_bytes": 4096}, device=device)
-    losses, reports = _train(8, chameleon)
+    lags_s = []  # at the end of each module's forward: how far the compute stream's queue runs past the host clock
+
+    def lag(module, args, output):
+        lags_s.append(device.backend.compute_stream.ready_s - device.backend.clock.host_s)
+
+    hook = torch.nn.modules.module.register_module_forward_hook(lag)
+    try:
+        losses, reports = _train(8, chameleon)
+    finally:
+        hook.remove()
     assert [torch.equal(a, b) for a, b in zip(losses[:2], reference_losses)] == [True, True]
     stable = [r for r in reports if r.stage == "stable"]
     assert stable, [r.stage for r in reports]
     assert all(r.oom_retries == 0 and r.passive_swaps == 0 for r in reports)
     # the device lags: a copy issued a few ops ago has not finished when its release point comes, so a
-    # release that took only finished copies would keep the whole forward pass on the device
-    assert device.backend.clock.host_s < device.backend.compute_stream.ready_s or True
+    # release that took only finished copies would keep the whole forward pass on the device. (Was
+    # ``host_s < ready_s or True`` after training, which could not fail: the run ends synchronised, host_s ==
+    # ready_s. Checked where it matters, during the forward passes: the host is ahead at every module's end.)
+    assert lags_s and min(lags_s) > 0, (len(lags_s), min(lags_s, default=None))
     assert max(r.peak_device_bytes for r in stable) < 0.85 * unswapped_peak_bytes, (
         [r.peak_device_bytes for r in stable], unswapped_peak_bytes)
 

@@ -193,6 +193,7 @@ def plain(tmp_path_factory):
     return baseline, capacity_between(floor, unswapped), unswapped
 
 
+@pytest.mark.slow  # (out of the quick tier: the plain Trainer runs and a swapped one, 54 s loaded)
 def test_trainer_reaches_stable_bit_identical_where_the_run_without_swapping_runs_out_of_memory(tmp_path, plain):
     baseline, capacity, unswapped = plain
     swapped = train(tmp_path, ChameleonCallback(emulated(capacity, **FAST)))
@@ -211,6 +212,7 @@ def test_trainer_reaches_stable_bit_identical_where_the_run_without_swapping_run
     assert report.failed and "OutOfMemoryError" in report.error and not measuring.chameleon.open_iteration.active
 
 
+@pytest.mark.slow  # (out of the quick tier: 23 s loaded)
 def test_a_short_last_window_and_clipping_stay_one_iteration_per_step_and_bit_identical(tmp_path, plain):
     """20 examples in batches of 4 are 5 micro-batches an epoch: windows of 2, 2 and 1, over two epochs; the
     gradients are clipped to a norm the updates reach (``max_grad_norm`` 0.5); the capacity is the one above. The
@@ -224,6 +226,7 @@ def test_a_short_last_window_and_clipping_stay_one_iteration_per_step_and_bit_id
     assert_identical(swapped, train(tmp_path, None, **shape))
 
 
+@pytest.mark.slow  # (out of the quick tier: 22 s loaded)
 def test_evaluation_is_no_iteration_and_changes_nothing(tmp_path, plain):
     _, capacity, _ = plain
     with_eval = dict(steps=4, evaluate_every=2)
@@ -248,6 +251,7 @@ def _raise_in_step(step: int, micro_batch: int):
     return hook
 
 
+@pytest.mark.slow  # (out of the quick tier: 11 s loaded; the config and declaration checks stay quick)
 def test_an_exception_inside_a_step_closes_its_iteration_as_failed(tmp_path):
     callback = ChameleonCallback(emulated(UNBOUNDED, **FAST))
     with pytest.raises(RuntimeError, match="failed on purpose"):
@@ -266,6 +270,7 @@ def test_a_wrong_config_is_an_error_before_training():
         ChameleonCallback({"memory_budget": "plenty"})
 
 
+@pytest.mark.slow  # (out of the quick tier: 27 s loaded)
 def test_readme_trainer_example_runs_and_swaps_where_measuring_only_runs_out_of_memory(tmp_path, capsys,
                                                                                       monkeypatch):
     readme = (REPO / "README.md").read_text()
@@ -317,6 +322,7 @@ def with_block(block: dict | None) -> dict:
     return {**DEEPSPEED, **({"chameleon": block} if block is not None else {})}
 
 
+@pytest.mark.slow  # (out of the quick tier: 35 s loaded)
 def test_deepspeed_under_the_trainer_follows_the_engine_from_the_configs_block(tmp_path, deepspeed_rank):
     """``config=None``: the block of the Trainer's DeepSpeed config; the runtime is the engine's."""
     bare = ChameleonCallback()
@@ -359,6 +365,7 @@ def assert_no_rank_prefix_left() -> None:
     assert not left, left
 
 
+@pytest.mark.slow  # (out of the quick tier: 7 s loaded)
 def test_deepspeed_under_the_trainer_follows_a_short_last_window_with_clipping(tmp_path, deepspeed_rank):
     """Accelerate tells the engine where each window ends (``set_gradient_accumulation_boundary``), so the engine
     steps after the one-micro-batch window too, and the runtime's iteration closes there."""
@@ -369,6 +376,7 @@ def test_deepspeed_under_the_trainer_follows_a_short_last_window_with_clipping(t
     assert_identical(swapped, train(tmp_path, None, **shape))
 
 
+@pytest.mark.slow  # (out of the quick tier: 8 s loaded; the failed step without DeepSpeed stays quick)
 def test_deepspeed_under_the_trainer_closes_a_failed_step(tmp_path, deepspeed_rank):
     callback = ChameleonCallback()
     with pytest.raises(RuntimeError, match="failed on purpose"):

@@ -99,6 +99,7 @@ def _tiny_mlp():
     return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
 
 
+@pytest.mark.slow  # (out of the quick tier: 300 iterations, 22 s loaded)
 def test_host_pool_bytes_stay_flat_over_300_iterations_with_a_random_batch_shape():
     """Issue 10 item 4: a different batch shape every iteration must not grow the host pool (the old
     pool, which kept every exact size until host_memory_budget, grew about 3.4x from iteration 50 to 300 here)."""

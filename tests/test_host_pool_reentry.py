@@ -9,6 +9,7 @@ import mmap
 import threading
 import weakref
 
+import pytest
 import torch
 
 from chameleon_dist.device.host_arena import HostArena
@@ -67,6 +68,7 @@ class _CollectingArena(HostArena):
         return super().take(nbytes)
 
 
+@pytest.mark.slow  # (out of the quick tier: 6.5 s loaded)
 def test_a_finalizer_run_by_garbage_collection_inside_acquire_gives_its_buffer_back():
     class ArenaAllocator:
         def __call__(self, nbytes):
@@ -122,6 +124,7 @@ def test_two_threads_acquiring_and_releasing_share_one_pool():
     assert pool.cached_bytes == sum(size for size, _buffer in pool._idle.values())
 
 
+@pytest.mark.slow  # (out of the quick tier: 4 s loaded)
 def test_arena_ranges_come_back_whichever_thread_drops_its_buffers():
     arena = HostArena(mmap.mmap(-1, 64 * 512), 64 * 512)
     start = threading.Barrier(2)

@@ -2,6 +2,7 @@
 
 import functools
 
+import pytest
 import torch
 
 from chameleon_dist.executor.matching import PolicyMatcher
@@ -110,6 +111,7 @@ def test_a_policy_without_sites_matches_on_shapes_alone():
     assert other.match(torch.zeros(16, 9), "") is None and other.counts.unmatched == 1
 
 
+@pytest.mark.slow  # (out of the quick tier: 13 s loaded)
 def test_sites_name_micro_batch_and_layer_and_an_unchanged_iteration_matches_exactly():
     """Through the runtime: the trace's sites (recorded by the executor) are the ones it meets again."""
     from chameleon_dist import Chameleon

@@ -160,6 +160,7 @@ def test_cuda_type_names_answer_what_megatrons_optimizers_compare():
     assert half.type() == "torch.BFloat16Tensor"
 
 
+@pytest.mark.slow  # (out of the quick tier: a fresh interpreter, 8 s loaded)
 def test_import_chameleon_dist_imports_no_framework():
     code = (
         "import sys\n"

@@ -286,6 +286,7 @@ def test_an_unrecoverable_out_of_memory_with_chameleon_on_ends_a_torchrun_job_in
     assert elapsed_s < 180, elapsed_s  # far below the 600 s collective timeout: torchrun tore the job down
 
 
+@pytest.mark.quick  # (the module's test in the quick tier: it reads the README, no job)
 def test_the_readme_commands_are_the_tested_layouts():
     """The README's torchrun lines run exactly what these tests run (with the launcher's defaults for the
     model size; the tests only ask for fewer iterations)."""

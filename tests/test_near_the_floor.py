@@ -113,6 +113,7 @@ def _one_thread():
         yield
 
 
+@pytest.mark.slow  # (out of the quick tier: 6 s loaded)
 def test_a_toy_gpt_near_its_floor_is_stable_from_the_first_policy_on():
     _check("toy_gpt")
 

@@ -132,7 +132,7 @@ _SMALL_DEVICES = {False: (0.55, 0.5, ("swap_out_bytes", "recomputed_bytes", "pas
                   True: (0.6, 0.55, ("swap_out_bytes", "evicted_prefetches", "oom_retries"))}
 
 
-@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("set_to_none", [False, pytest.param(True, marks=pytest.mark.slow)])  # (True: 3.6 s, not quick)
 def test_every_iteration_records_the_signature_a_run_that_swaps_nothing_records(set_to_none):
     """The same model with hooks that keep everything on the device, and on a small device with a slow link,
     where Chameleon swaps, recomputes, relieves and retries: the two record the same ops in every iteration."""

@@ -29,6 +29,9 @@ SWAP_CASES = {
     "70b-tp8-pp4-vpp2-8k": ("llama2-70b", "h100-80gb", 8192, Layout(tp=8, pp=4, dp=1, vpp=2, swap=True), 12e9, 64, 76),
 }
 
+SWAP_PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c.startswith("70b") else c for c in SWAP_CASES]
+"""(the 70b case, 3-5 s loaded a test, is out of the quick tier; the 7b ones stay)"""
+
 
 def _hardware(name: str, link: float, memory_bytes: int | None = None) -> HardwareProfile:
     base = load_hardware(name)
@@ -47,7 +50,7 @@ def _assert_never_worse(stalls: list[float], feasible: list[bool]) -> None:
     assert all(later or not earlier for earlier, later in zip(feasible, feasible[1:])), feasible
 
 
-@pytest.mark.parametrize("case", list(SWAP_CASES))
+@pytest.mark.parametrize("case", SWAP_PARAMS)
 def test_more_device_memory_never_raises_the_swap_stall(case):
     model, hardware, seq, layout, link, low_gb, high_gb = SWAP_CASES[case]
     model, setup = load_model(model), make_setup(global_batch_size=64, seq_length=seq)
@@ -61,7 +64,7 @@ def test_more_device_memory_never_raises_the_swap_stall(case):
     assert plans[-1].swapped_bytes == 0 and plans[-1].time.stall == 0.0
 
 
-@pytest.mark.parametrize("case", list(SWAP_CASES))
+@pytest.mark.parametrize("case", SWAP_PARAMS)
 def test_a_faster_host_link_never_raises_the_swap_stall(case):
     model, hardware, seq, layout, link, low_gb, high_gb = SWAP_CASES[case]
     model, setup = load_model(model), make_setup(global_batch_size=64, seq_length=seq)
@@ -89,6 +92,7 @@ def _best_times(model, setup, devices, space, hardware_list) -> list[float]:
 
 
 @pytest.mark.parametrize("case", list(SEARCH_CASES))
+@pytest.mark.slow  # (out of the quick tier: a search per memory size, 14-23 s loaded a case)
 def test_the_best_plan_never_slows_with_more_memory(case):
     model, hardware, seq, devices, space, low_gb, high_gb, link, _, _ = SEARCH_CASES[case]
     model, setup = load_model(model), make_setup(global_batch_size=64, seq_length=seq)
@@ -99,6 +103,7 @@ def test_the_best_plan_never_slows_with_more_memory(case):
 
 
 @pytest.mark.parametrize("case", list(SEARCH_CASES))
+@pytest.mark.slow  # (out of the quick tier: a search per link rate, 10 s loaded a case)
 def test_the_best_plan_never_slows_with_a_faster_link(case):
     model, hardware, seq, devices, space, _, _, _, memory_gb, slow = SEARCH_CASES[case]
     model, setup = load_model(model), make_setup(global_batch_size=64, seq_length=seq)

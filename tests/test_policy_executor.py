@@ -98,6 +98,7 @@ class _FailOnce(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow  # (out of the quick tier: 57 s loaded; the passive-swap test stays quick)
 def test_injected_out_of_memory_errors_lose_no_step_and_recover_to_stable(unswapped):
     steps = 30
     reference, _ = _train(steps)

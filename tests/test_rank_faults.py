@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rank_batch import selected_runs
+
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multirank  # (NOTE [The multi-rank tier] in tests/conftest.py)
 
@@ -37,11 +39,23 @@ RUNS = [
 ]
 
 
+READS = {"test_a_different_budget_is_refused_on_every_rank_before_the_first_iteration": ["budget"],
+         "test_chameleon_on_one_rank_only_is_refused_naming_enabled": ["one-rank-only"]}
+
+
+def _reads(item) -> list[str]:
+    """The runs of RUNS a test reads (a killed-rank case: its own point's)."""
+    if item.originalname == "test_a_killed_rank_ends_the_job_and_the_survivor_names_it":
+        return [f"killed-in-{item.callspec.params['point']}"]
+    return READS.get(item.originalname, [])
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
+    """Every run the selected tests read, in one batch (the whole module: all of RUNS)."""
     workdir = tmp_path_factory.mktemp("faults")
     spec, out = workdir / "runs.json", workdir / "results.json"
-    spec.write_text(json.dumps([{**run, "timeout_s": 150} for run in RUNS]))
+    spec.write_text(json.dumps([{**run, "timeout_s": 150} for run in selected_runs(request, RUNS, _reads)]))
     subprocess.run([sys.executable, "-m", "tests.fault_batch", "train_megatron", str(spec), str(out)], check=True,
                    timeout=900, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return {r["name"]: r for r in json.loads(out.read_text())}
@@ -62,6 +76,7 @@ def test_a_different_budget_is_refused_on_every_rank_before_the_first_iteration(
         assert "iteration 1/3" not in log and "iteration 1 failed" not in log, logs
 
 
+@pytest.mark.quick  # (the module's test in the quick tier: one job, refused before its first iteration)
 def test_chameleon_on_one_rank_only_is_refused_naming_enabled(results):
     result = results["one-rank-only"]
     logs = _ended(result)

@@ -83,8 +83,14 @@ def _major(result: sm.Run) -> set[int]:
     return {i for i in range(1, ITERATIONS + 1) if result.major[i - 1]}
 
 
+QUICK_KEYS = ("a", "c-op")
+"""The scenarios the quick tier runs (each scenario's run is made once and read by every test of it; the others,
+4-15 s each loaded, are slow: the default tier runs every scenario in every test)."""
+KEYS = [pytest.param(k, marks=() if k in QUICK_KEYS else pytest.mark.slow) for k in sm.SCENARIOS]
+
+
 # ---- 1. flagged where it happens ------------------------------------------------------------------------
-@pytest.mark.parametrize("key", list(sm.SCENARIOS))
+@pytest.mark.parametrize("key", KEYS)
 def test_the_change_is_flagged_in_its_iteration(key):
     result = _run(key)
     assert result.stages[EVENT - 1] == "stable", "each event happens in Stable"
@@ -92,14 +98,14 @@ def test_the_change_is_flagged_in_its_iteration(key):
     assert _flagged_expected(key, result) <= _flagged(result)
 
 
-@pytest.mark.parametrize("key", list(sm.SCENARIOS))
+@pytest.mark.parametrize("key", KEYS)
 def test_identical_iterations_around_it_are_not_flagged(key):
     result = _run(key)
     assert _flagged(result) == _flagged_expected(key, result)
 
 
 # ---- 2. new policy or absorbed ----------------------------------------------------------------------------
-@pytest.mark.parametrize("key", list(sm.SCENARIOS))
+@pytest.mark.parametrize("key", KEYS)
 def test_major_changes_restart_warmup_and_minor_ones_are_absorbed(key):
     result = _run(key)
     assert _major(result) == MAJOR[key], [c.reason for c in result.comparisons if c.major]
@@ -131,12 +137,14 @@ def test_a_skipped_step_changes_no_autograd_op():
     assert c.length_change == 0 and c.cosine == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # (out of the quick tier: reads scenario b)
 def test_b_validation_adds_ops_outside_autograd_only():
     c = _at_event("b")
     assert c.num_ops > c.reference_num_ops + 100, "the validation forward is in the signature, as ~ids"
     assert c.length_change == 0 and c.cosine == pytest.approx(1.0) and c.saved_bytes_change == 0
 
 
+@pytest.mark.slow  # (out of the quick tier: reads scenario c-block)
 def test_c_branch_is_taken_exactly_where_forced():
     for key in ("c-block", "c-op"):
         taken = _run(key).state["taken"]
@@ -150,6 +158,7 @@ def test_c_branch_is_taken_exactly_where_forced():
     assert cosine_similarity(_run("c-op").signatures[EVENT - 1].relevant(), reference) < 0.95
 
 
+@pytest.mark.slow  # (out of the quick tier: reads scenarios d)
 def test_d_moe_counts_vary_while_ops_and_total_bytes_stay():
     result = _run("d")
     counts = result.state["counts"]
@@ -162,6 +171,7 @@ def test_d_moe_counts_vary_while_ops_and_total_bytes_stay():
     assert _at_event("d-empty-expert").saved_bytes_change == 0
 
 
+@pytest.mark.slow  # (out of the quick tier: reads scenarios e)
 def test_e_sequence_length_changes_only_the_saved_bytes():
     big, small = _at_event("e"), _at_event("e-small")
     for c in (big, small):
@@ -169,19 +179,20 @@ def test_e_sequence_length_changes_only_the_saved_bytes():
     assert big.saved_bytes_change >= 0.05 > small.saved_bytes_change > 0
 
 
+@pytest.mark.slow  # (out of the quick tier: reads scenario f)
 def test_f_an_extra_micro_batch_is_major_by_length():
     c = _at_event("f")
     assert c.length_change == pytest.approx(0.5, abs=0.01) and c.saved_bytes_change == pytest.approx(0.5, abs=0.01)
     assert c.changed, "more work on more data: a new program"
 
 
-@pytest.mark.parametrize("key", list(sm.SCENARIOS))
+@pytest.mark.parametrize("key", KEYS)
 def test_each_event_is_classified(key):
     assert _at_event(key).kind == KIND_AT_EVENT[key]
 
 
 # ---- 3. bit-identical training -----------------------------------------------------------------------------
-@pytest.mark.parametrize("key", list(sm.SCENARIOS))
+@pytest.mark.parametrize("key", KEYS)
 def test_training_is_bit_identical_to_the_loop_without_chameleon(key):
     with_chameleon = _run(key)
     assert sum(r.swap_out_bytes for r in with_chameleon.reports) > 0, "the runtime swapped"
@@ -197,6 +208,7 @@ def _steady() -> sm.Run:
     return sm.run(sm.steady(), STEADY_ITERATIONS)
 
 
+@pytest.mark.slow  # (out of the quick tier: a steady run, 16 s loaded)
 def test_identical_iterations_raise_no_false_change_and_end_stable():
     result = _steady()
     assert not any(result.differs[1:]) and not any(result.major)
@@ -204,6 +216,7 @@ def test_identical_iterations_raise_no_false_change_and_end_stable():
     assert [r.num_ops for r in result.reports[1:]] == [result.reports[1].num_ops] * (STEADY_ITERATIONS - 1)
 
 
+@pytest.mark.slow  # (out of the quick tier: 4 s loaded)
 def test_a_stateful_optimizer_is_flagged_once_and_absorbed():
     """Adam creates its state in its first step: iteration 2 lacks those ops (all outside autograd)."""
     result = sm.run(sm.steady(), 5, optimizer="adam")
@@ -221,6 +234,7 @@ def test_the_signature_does_not_depend_on_what_is_swapped():
         assert not compare(x, y, 0.05, 0.95).differs
 
 
+@pytest.mark.slow  # (out of the quick tier: reads scenario f)
 def test_a_major_change_in_stable_goes_back_to_warmup_then_proceeds():
     result = _run("f")
     before = ["warmup"] * 2 + ["gen_policy"] * 5 + ["stable"] * 3  # iterations 1..10; 10 is the change
@@ -235,6 +249,7 @@ def test_a_major_change_in_stable_goes_back_to_warmup_then_proceeds():
     ]
 
 
+@pytest.mark.slow  # (out of the quick tier: 14 iterations, 7 s loaded)
 def test_stage_counts_follow_the_profiler_settings():
     config = {"profiler": {"warmup_iterations": 1, "policy_trials": 2}}
     result = sm.run(sm.micro_batches(), 14, config=config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rank_batch import completed, run_jobs
+from tests.rank_batch import completed, run_jobs, selected_runs
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.multirank  # (NOTE [The multi-rank tier] in tests/conftest.py)
@@ -21,12 +21,20 @@ ITERATIONS = 3
 TOLERANCE = 0.05  # of the full weights: what a forward may hold beyond plain DeepSpeed's (a held layer is 1/12)
 
 
+READS = {"test_a_forward_pass_holds_what_plain_deepspeed_holds_on_the_emulated_device": ["on", "off"],
+         "test_a_forward_pass_holds_what_plain_deepspeed_holds_in_resident_memory": ["plain", "off", "on"],
+         "test_training_is_bit_identical": ["plain", "off", "on"],
+         "test_the_engine_buffers_made_before_the_first_iteration_are_counted": ["off", "on"]}
+
+
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports(tmp_path_factory, request):
+    """The runs the selected tests read, in one batch (the whole module: plain, off and on)."""
     work = tmp_path_factory.mktemp("zero3_memory")
     runs = [{"name": mode, "world_size": 2, "timeout_s": 300,
              "argv": ["--mode", mode, "--iterations", str(ITERATIONS), "--report", str(work / f"{mode}.json")]}
             for mode in ("plain", "off", "on")]
+    runs = selected_runs(request, runs, lambda item: READS[item.originalname])
     return {name: completed(result) for name, result in run_jobs("zero3_memory", runs, work).items()}
 
 
@@ -63,6 +71,7 @@ def test_training_is_bit_identical(reports):
             assert [r["grads_sha256"] for r in rank["iterations"]] == [r["grads_sha256"] for r in reference["iterations"]]
 
 
+@pytest.mark.quick  # (the module's test in the quick tier: two of the three jobs)
 def test_the_engine_buffers_made_before_the_first_iteration_are_counted(reports):
     """A GPU counts each rank's parameter partition and the optimizer's fp32 copy of it (and its gradient
     partition buffer) from ``deepspeed.initialize`` on; so must the emulated device."""
