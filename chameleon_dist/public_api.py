@@ -25,6 +25,7 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "chameleon_dist.planner.calibration",  # calibration files
     "chameleon_dist.planner.reproduce",  # the paper's comparison
     "chameleon_dist.report",
+    "chameleon_dist.schema_version",  # the version key every JSON result carries
     "chameleon_dist.units",
     "chameleon_dist.patching",
     "chameleon_dist.integrations.megatron",

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from chameleon_dist.schema_version import versioned
+
 logger = logging.getLogger(__name__)
 
 
@@ -113,6 +115,6 @@ def write_report(path: str | Path, layout: dict[str, Any], chameleon: dict[str, 
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {"layout": layout, "chameleon": chameleon, "losses": [float(x).hex() for x in losses], "ranks": ranks,
             **(extra or {})}
-    path.write_text(json.dumps(body, indent=1) + "\n")
+    path.write_text(json.dumps(versioned(body), indent=1) + "\n")
     logger.info("report written to %s", path)
     return path

@@ -6,6 +6,7 @@ asserted against thresholds."""
 import gc
 import json
 
+from chameleon_dist.schema_version import SCHEMA_VERSION
 from launch.bench import bench_policy
 
 
@@ -17,6 +18,7 @@ def test_small_run_reports_eq1_errors_and_generation_time(tmp_path, capsys):
 
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(results))
     assert "-m launch.bench.bench_policy --small" in results["command"] and results["date"]
+    assert list(results)[0] == "schema_version" and results["schema_version"] == SCHEMA_VERSION
     assert "emulated/CPU" in printed and "(1) Eq. 1" in printed and "(2) generate_policies" in printed
 
     models = results["eq1"]["models"]

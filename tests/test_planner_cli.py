@@ -7,6 +7,7 @@ import pytest
 
 from chameleon_dist.cli import plan
 from chameleon_dist.planner import reproduce
+from chameleon_dist.schema_version import SCHEMA_VERSION
 
 
 def test_text_report_has_the_best_plan_the_comparison_and_the_reasons(capsys):
@@ -23,6 +24,7 @@ def test_text_report_has_the_best_plan_the_comparison_and_the_reasons(capsys):
 def test_json_output_is_consistent(capsys):
     assert plan.main(["--devices", "8", "--seq", "8192", "--global-batch", "64", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert list(data)[0] == "schema_version" and data["schema_version"] == SCHEMA_VERSION
     assert data["devices"] == 8 and data["model"]["name"] == "llama2-7b" and data["hardware"]["name"] == "ascend-910b"
     best = data["best"]
     assert best["status"] == "feasible" and best["peak_bytes"] <= best["usable_bytes"]
@@ -41,6 +43,7 @@ def test_json_to_a_file_and_restricted_search(tmp_path, capsys):
                       "--no-swap", "--json", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION
     layouts = [a["layout"] for a in data["alternatives"]]
     assert layouts and all(l["tp"] in (2, 4) and l["recompute"] in ("none", "full") and not l["swap"] for l in layouts)
     assert "best plan:" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from chameleon_dist.cli import train
+from chameleon_dist.schema_version import SCHEMA_VERSION
 
 MiB = 2**20
 # warm-up 2 + one policy trial: iteration 4 is the first Stable one, under the chosen policy
@@ -33,6 +34,8 @@ def test_chameleon_train_shows_the_contrast(short_run):
     assert "OUT OF MEMORY in iteration 1 at aten." in out
     assert "bit-identical to the reference: yes (losses 4/4 torch.equal" in out
     assert report["emulated"] is True and report["parity"]["bit_identical"] is True
+    assert list(report)[0] == "schema_version" and report["schema_version"] == SCHEMA_VERSION
+    assert all(row["schema_version"] == SCHEMA_VERSION for row in report["runs"]["with"]["iterations"])
     assert report["runs"]["without"]["out_of_memory"]["iteration"] == 1
     runs = report["runs"]
     capacity = report["device"]["capacity_bytes"]

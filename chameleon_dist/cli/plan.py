@@ -36,6 +36,7 @@ from chameleon_dist.planner.profiles import (
 )
 from chameleon_dist.planner.search import PlanError, search
 from chameleon_dist.planner.space import SearchSpace, cp_problem
+from chameleon_dist.schema_version import versioned
 
 DEFAULT_MODEL, DEFAULT_HARDWARE, DEFAULT_DEVICES = "llama2-7b", "ascend-910b", 8
 
@@ -219,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
             data["sensitivity"] = ranges.to_dict()
         if calibrated:
             data["calibration"] = calibrated
-        text = json.dumps(data, indent=1, default=str)
+        text = json.dumps(versioned(data), indent=1, default=str)
         if args.json == "-":
             print(text)
         else:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from chameleon_dist.cli.plot import Curve, plot_memory
 from chameleon_dist.config import ConfigError
+from chameleon_dist.schema_version import versioned
 from chameleon_dist.units import format_bytes
 
 MiB = 2**20
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "parity": {**vars(parity), "bit_identical": parity.bit_identical},
         "plot": {"file": plot.name, "curves": [_curve_json(curve, run, timeline) for curve, (run, timeline) in curves]},
     }
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+    (run_dir / "report.json").write_text(json.dumps(versioned(report), indent=2))
     print(f"run folder: {run_dir}/ (report.json, {plot.name})")
     return 0 if with_chameleon.completed == settings.iterations and parity.bit_identical else 1
 

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from chameleon_dist.schema_version import versioned
+
 
 # ---- rounds -------------------------------------------------------------------------------------
 def balanced_orders(n: int, mirror_odd: bool = True) -> list[tuple[int, ...]]:
@@ -115,12 +117,13 @@ def machine(torch_module) -> dict:
 
 def header(module: str, argv: list[str], torch_module) -> dict:
     """The opening of a benchmark's results: the command that reproduces it (``module``: the script's module,
-    ``"launch.bench.bench_executor"``, run with ``-m``), the date, the machine."""
-    return {
+    ``"launch.bench.bench_executor"``, run with ``-m``), the date, the machine; first, the JSON's
+    ``schema_version``."""
+    return versioned({
         "command": shlex.join([".venv/bin/python", "-m", module, *argv]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(torch_module),
-    }
+    })
 
 
 def finish(results: dict, started_s: float) -> None:
@@ -134,7 +137,7 @@ def write_json(path: Path | None, results: dict) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    path.write_text(json.dumps(versioned(results), indent=2) + "\n")  # (one without a header gets one too)
     print(f"results written to {path}")
 
 

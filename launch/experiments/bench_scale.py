@@ -23,6 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
+from chameleon_dist.schema_version import versioned
 from launch.experiments.scale_bound import link_bound
 from launch.experiments.scale_report import markdown, planner_predictions, plot, targets
 from launch.experiments.scale_runs import CASES, VARIANTS, Case, VariantRun, model_state_bytes, run_variant, settings_of
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = markdown(result)
     print(table)
-    for path, text in ((args.json, json.dumps(result, indent=1)), (args.markdown, table)):
+    for path, text in ((args.json, json.dumps(versioned(result), indent=1)), (args.markdown, table)):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text + "\n")

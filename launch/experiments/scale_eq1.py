@@ -59,6 +59,7 @@ from chameleon_dist.policy import (
     Planned,
     simulate,
 )
+from chameleon_dist.schema_version import versioned
 from chameleon_dist.trace import StepTrace
 from chameleon_dist.units import format_bytes
 from launch.experiments.op_times import profile_iteration  # noqa: F401  (scale_eq1.profile_iteration, as before)
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_report(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(versioned(result), indent=1))
     return result
 
 

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chameleon_dist.schema_version import versioned
+
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(args)
         if dist.get_rank() == 0 and args.report:
-            Path(args.report).write_text(json.dumps(result, indent=1))
+            Path(args.report).write_text(json.dumps(versioned(result), indent=1))
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
