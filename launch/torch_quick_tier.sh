@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The quick tier (pytest -m "not multirank") on another PyTorch release, in a virtual environment of its own
+# The quick tier (pytest --quick: a test of every module) on another PyTorch release, in a virtual environment of its own
 # (.venv-torch<version>/, git-ignored; .venv is never touched): the check that a torch the package accepts really
 # runs it. The registry's Linux torch is a CUDA build with its nvidia-* wheels (several GB), so this stays out of
 # the default CI run; where PyTorch's CPU index is reachable, TORCH_INDEX_URL takes the CPU build (~200 MB).
@@ -29,4 +29,4 @@ fi
 # shellcheck disable=SC2086
 "${install[@]}" --no-build-isolation -e ".[test]" ${EXTRA_PACKAGES:-} "torch==$version.*"
 "$venv/bin/python" -c "import torch; print(f'[torch_quick_tier] torch {torch.__version__} (CUDA build: {torch.version.cuda})')"
-exec "$venv/bin/python" -m pytest -q -m "not multirank" -p no:cacheprovider "${@:2}"
+exec "$venv/bin/python" -m pytest -q --quick -p no:cacheprovider "${@:2}"
