@@ -274,6 +274,13 @@ class Chameleon:
             raise
         finally:
             self._running = None
+        self._conclude(running)
+
+
+    def _conclude(self, running: _Running) -> None:
+        """After a completed iteration: count it, tell the controller and the profiler what it did, and write
+        ``last_report``."""
+        stage, policy, observation = running.stage, running.policy, running.observation
         self._iteration += 1
         # (NOTE [Stable iterations never wait for their own figures] in device/iteration_times.py)
         iteration_s, iteration_s_lag = self._times.finish(self._iteration, running.timer, running.iteration_start,

@@ -265,3 +265,32 @@ def test_the_budget_rule_fires_on_a_second_resolution():
         "executor/swap.py:1: calls read_node"]
     assert budget_resolution_offenders("config/budgets.py", ast.parse("limits = read_host_limits(None)")) == []
     assert budget_resolution_offenders("runtime.py", ast.parse("capacity_bytes = self.budgets.capacity_bytes")) == []
+
+
+MAX_FUNCTION_LINES = 80  # a function longer than a screen is split into named steps
+
+
+def long_functions(trees) -> list[str]:
+    """``path:name (lines)`` for each function in ``trees`` (pairs of a path and its parsed module) over
+    ``MAX_FUNCTION_LINES``, decorators and docstring included."""
+    found = []
+    for rel, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - min([node.lineno, *(d.lineno for d in node.decorator_list)]) + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{rel}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines_in_the_library_or_launch():
+    launch = PACKAGE.parent / "launch"
+    scripts = [(path.relative_to(launch.parent), ast.parse(path.read_text())) for path in sorted(launch.rglob("*.py"))]
+    assert not long_functions([*_modules(), *scripts]), "split these into named steps"
+
+
+def test_the_function_length_rule_fires_on_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    short = "def short():\n    return 1\n"
+    assert long_functions([("bad.py", ast.parse(f"def long():\n{body}\n" + short))]) == ["bad.py:long (81 lines)"]
+    assert long_functions([("good.py", ast.parse(short))]) == []
