@@ -2,7 +2,8 @@
 length, change every iteration stay in Stable without leaning on passive swap.
 
 Three cases (items 5 and 6; item 4: an expert's saves matched by expert, its siblings' decisions when it was
-idle in the traced iteration), each trained 24 iterations with and without Chameleon on a device half the size of the unswapped
+idle in the traced iteration), each trained 24 iterations (``mixtral_eager`` 16: warm-up 2, trials 5 and 9 Stable,
+its iterations the costliest) with and without Chameleon on a device half the size of the unswapped
 peak (the maximum over the plain run's iterations):
 
 - ``mixtral_eager``: a tiny random ``transformers`` Mixtral (4 layers, 32 experts, top-2, no cache) with the
@@ -48,6 +49,7 @@ class Case:
     shape: Callable[[int], tuple[int, int]]  # iteration -> (batch, length)
     link_bytes_per_s: float | None = LINK_BYTES_PER_S  # each way; None: the preset's own (h100-pcie)
     expert_modules: bool = False  # each expert a module of its own: its saves are matched by expert (item 4)
+    iterations: int = ITERATIONS
 
 
 def _mixtral(experts_implementation: str) -> Callable[[], tuple[torch.nn.Module, ForwardBackward]]:
@@ -72,7 +74,8 @@ def _top1_moe() -> tuple[torch.nn.Module, ForwardBackward]:
 
 
 CASES = {
-    "mixtral_eager": Case(_mixtral("eager"), lambda i: (8, 128)),
+    # (16 iterations: at 24 it ran WWGGGGG + 17 x S, no passive swap, its routing moving from iteration 2 on)
+    "mixtral_eager": Case(_mixtral("eager"), lambda i: (8, 128), iterations=16),
     # (on a 1 GB/s link no policy is predicted to fit it, so its trials lean on passive swap, and one of them
     # can run out of memory, depending on the allocation order: measured 0 or 1 retry in 24 iterations)
     "mixtral_grouped": Case(_mixtral("grouped_mm"), lambda i: (8, 128), link_bytes_per_s=None),
@@ -88,7 +91,7 @@ def _train(case: Case, config: dict, capacity_bytes: int) -> Trained:
     link = {} if case.link_bytes_per_s is None else {"h2d_bytes_per_s": case.link_bytes_per_s,
                                                      "d2h_bytes_per_s": case.link_bytes_per_s}
     device = EmulatedDevice(capacity_bytes, preset="h100-pcie", host_op_s=2e-5, **link)
-    return train(case.make, tokens, config, device, ITERATIONS)
+    return train(case.make, tokens, config, device, case.iterations)
 
 
 def _run_at_half_capacity(name: str) -> tuple[Trained, Trained, int]:

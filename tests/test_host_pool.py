@@ -1,5 +1,5 @@
 """The host buffer pool: exact-size reuse in a steady state, idle buffers bounded by recent use when sizes
-keep changing (unit tests and a 300-iteration run through the runtime with a random batch shape)."""
+keep changing (unit tests and a 100-iteration run through the runtime with a random batch shape)."""
 
 import random
 
@@ -99,8 +99,13 @@ def _tiny_mlp():
     return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
 
 
-@pytest.mark.slow  # (out of the quick tier: 300 iterations, 22 s loaded)
-def test_host_pool_bytes_stay_flat_over_300_iterations_with_a_random_batch_shape():
+ITERATIONS, EARLY = 100, 10
+"""The random-shape run: reserved bytes after iteration 100 against those after iteration 10 (the old pool grew
+about 3.4x from iteration 50 to 300; a pool kept uncapped here grows 3.4x from 10 to 100, the capped one 1.4x)."""
+
+
+@pytest.mark.slow  # (out of the quick tier: 100 iterations)
+def test_host_pool_bytes_stay_flat_over_100_iterations_with_a_random_batch_shape():
     """Issue 10 item 4: a different batch shape every iteration must not grow the host pool (the old
     pool, which kept every exact size until host_memory_budget, grew about 3.4x from iteration 50 to 300 here)."""
     draw = random.Random(0)
@@ -110,7 +115,7 @@ def test_host_pool_bytes_stay_flat_over_300_iterations_with_a_random_batch_shape
     chameleon.attach(model)
     reserved = []
     with one_thread():
-        for _ in range(300):
+        for _ in range(ITERATIONS):
             inputs = torch.randn(draw.randint(1, 16), draw.randint(1, 32), 8)
 
             def closure():
@@ -123,6 +128,7 @@ def test_host_pool_bytes_stay_flat_over_300_iterations_with_a_random_batch_shape
             reserved.append(chameleon.last_report.host_pool_bytes)
     assert chameleon.last_report.swap_out_bytes > 0, "activations went through the host pool"
     assert device.host_pool.in_use_bytes == 0
-    assert reserved[299] <= 2 * reserved[49], f"reserved at 300: {reserved[299]}, at 50: {reserved[49]}"
-    assert max(reserved[50:]) <= 2 * max(reserved[:50]), "never growing without bound"
+    assert reserved[-1] <= 2 * reserved[EARLY - 1], (f"reserved at {ITERATIONS}: {reserved[-1]}, "
+                                                     f"at {EARLY}: {reserved[EARLY - 1]}")
+    assert max(reserved[EARLY:]) <= 2 * max(reserved[:EARLY]), "never growing without bound"
     assert max(reserved) <= device.host_pool.idle_cap_factor * device.host_pool.peak_in_use_bytes

@@ -74,9 +74,20 @@ def _train(case: str, config: dict, capacity_bytes: int = UNBOUNDED_BYTES, itera
     return train(make, tokens, config, _device(capacity_bytes), iterations)
 
 
-def _run_near_the_floor(case: str, factor: float = FLOOR_FACTOR) -> tuple[Trained, Trained, int, int]:
+def _reference(case: str) -> tuple[Trained, int]:
+    """The plain run and the swap floor of a case: the same for every capacity factor."""
     plain = _train(case, {"enabled": False})
     floor = max(r.peak_device_bytes for r in _train(case, SWAP_ALL, iterations=2).reports)
+    return plain, floor
+
+
+def _run_near_the_floor(case: str, factor: float = FLOOR_FACTOR,
+                        references: dict[str, tuple[Trained, int]] | None = None) -> tuple[Trained, Trained, int, int]:
+    """``references``: the cases' plain runs and floors computed so far, reused (and added to)."""
+    references = {} if references is None else references
+    if case not in references:
+        references[case] = _reference(case)
+    plain, floor = references[case]
     unswapped = max(r.peak_device_bytes for r in plain.reports)
     assert floor < unswapped
     capacity = int(factor * floor)
@@ -90,9 +101,9 @@ def _summary(case: str, swapped: Trained, capacity: int, floor: int) -> str:
             f"{[(r.iteration, r.transition.reason) for r in reports if r.transition is not None]}")
 
 
-def _check(case: str, factor: float = FLOOR_FACTOR, trial_retries: int = 0) -> None:
+def _check(references: dict, case: str, factor: float = FLOOR_FACTOR, trial_retries: int = 0) -> None:
     """``trial_retries``: out-of-memory retries allowed in GenPolicy trials (none anywhere else)."""
-    swapped, plain, capacity, floor = _run_near_the_floor(case, factor)
+    swapped, plain, capacity, floor = _run_near_the_floor(case, factor, references)
     summary = _summary(case, swapped, capacity, floor)
     stages = _stages(swapped)
     first = stages.find("S")
@@ -113,26 +124,32 @@ def _one_thread():
         yield
 
 
+@pytest.fixture(scope="module")
+def references():
+    """The plain runs and floors, shared by the module's tests (the three Llama capacities train one plain run)."""
+    return {}
+
+
 @pytest.mark.slow  # (out of the quick tier: 6 s loaded)
-def test_a_toy_gpt_near_its_floor_is_stable_from_the_first_policy_on():
-    _check("toy_gpt")
+def test_a_toy_gpt_near_its_floor_is_stable_from_the_first_policy_on(references):
+    _check(references, "toy_gpt")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("factor", [FLOOR_FACTOR, 1.4])
-def test_a_transformers_llama_with_its_cache_near_its_floor_is_stable_from_the_first_policy_on(factor):
+def test_a_transformers_llama_with_its_cache_near_its_floor_is_stable_from_the_first_policy_on(references, factor):
     """(Before issue 27's fix, 1.25x: WWGGGGGSSWWGGGGGSWWGGGGG, a Stable policy's 9 passive swaps restarting
     WarmUp; 1.4x: a Stable peak over the budget with no stricter policy predicted restarting it. Now Stable
     swaps everything in place when no stricter policy is predicted.)"""
-    _check("hf_llama", factor)
+    _check(references, "hf_llama", factor)
 
 
 @pytest.mark.slow
-def test_closer_to_the_floor_a_trial_that_runs_out_of_memory_does_not_restart_the_warm_up():
+def test_closer_to_the_floor_a_trial_that_runs_out_of_memory_does_not_restart_the_warm_up(references):
     """1.15x the floor: a trial's policy predicted to fit runs out of memory (the simulator is short by about
     a MiB there); its retry swaps everything, and the next trials aim lower. (Before issue 27's fix each such
     trial restarted WarmUp: WWGGWWGGGWWGGWWGWWGWWGWW, 6 out-of-memory retries, never Stable.)"""
-    _check("hf_llama", 1.15, trial_retries=1)
+    _check(references, "hf_llama", 1.15, trial_retries=1)
 
 
 def test_a_rebuild_counts_its_producers_other_outputs_at_the_op_it_runs_before():
