@@ -104,7 +104,7 @@ def dry_runs(request, tmp_path_factory):
         runs.close()
 
 
-@pytest.mark.extended  # (about a minute and a half: NOTE [The extended tier] in tests/conftest.py)
+@pytest.mark.extended  # (both dry runs side by side, 40-90 s: NOTE [The extended tier] in tests/conftest.py)
 def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated_device(dry_runs):
     """The dry run's parts without ranks (the rest: the multirank test below): the gpu tests plain and under the
     sanitizer (skipped here) and every probe."""
@@ -132,7 +132,7 @@ def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated
 
 
 @pytest.mark.multirank  # (two-rank jobs: NOTE [The multi-rank tier] in tests/conftest.py)
-@pytest.mark.extended  # (about two minutes: NOTE [The extended tier] in tests/conftest.py)
+@pytest.mark.extended  # (alone 80 s; after the test above, its remainder: NOTE [The extended tier] in tests/conftest.py)
 def test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_identically(dry_runs):
     parts = dry_runs.result("rank")["parts"]
     for name in ("megatron_2rank", "deepspeed_2rank"):
