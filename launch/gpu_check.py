@@ -28,7 +28,8 @@ gloo, which moves CUDA tensors only by all-reduce and broadcast: tensor parallel
 ZeRO stage 0 (gradients all-reduced). With two GPUs or more, every rank has its own and NCCL.
 
 The dry run (``--dry-run``) runs the same parts on the CPU (emulated devices, 4 iterations, the probes' and
-bench_gpu's own dry runs); the test suite runs it. Its times mean nothing; its structure and bits do.
+bench_gpu's own dry runs); the test suite runs it (``tests/test_gpu_check.py``: the single-process parts and the
+rank parts as two dry runs side by side). Its times mean nothing; its structure and bits do.
 """
 
 from __future__ import annotations

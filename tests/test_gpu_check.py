@@ -50,25 +50,65 @@ def test_without_cuda_it_asks_for_the_dry_run(tmp_path, capsys):
 SINGLE_PROCESS_PARTS = ["gpu_tests", "probes", "gpu_tests_sanitized"]
 RANK_PARTS = ["megatron_2rank", "deepspeed_2rank", "bench_gpu"]
 """The dry run in two tests: the parts above (quick), and the rank jobs with bench_gpu (multirank tier)."""
+DRY_RUN_TIMEOUT_S = 600
 
 
-def _dry_run(tmp_path, parts: list[str]) -> dict:
-    done = subprocess.run([sys.executable, "-m", "launch.gpu_check", "--out", str(tmp_path), "--dry-run",
-                           "--parts", ",".join(parts)], capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert [p.name for p in tmp_path.iterdir()] == ["gpu_check.json"]
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert result["dry_run"] and result["emulated"] and result["ok"]
-    assert result["preflight"]["ok"] and result["preflight"]["carry"] == []
-    assert list(result["parts"]) == parts
-    return result
+class DryRuns:
+    """The two dry runs (``--parts`` each test's), started together by the fixture below: the single-process parts
+    keep about one core busy, the rank jobs mostly two, so side by side on a 2-core machine they take about as long
+    as the rank jobs alone (one after the other: both times added). Each test waits for its own."""
+
+    def __init__(self, tmp_path_factory, wanted: dict[str, list[str]]) -> None:
+        self.runs: dict[str, tuple[list[str], Path, subprocess.Popen, object]] = {}
+        for name, parts in wanted.items():
+            out = tmp_path_factory.mktemp(f"dry_run_{name}")
+            log = open(tmp_path_factory.mktemp(f"dry_run_{name}_log") / "output.txt", "w+", encoding="utf-8")
+            process = subprocess.Popen([sys.executable, "-m", "launch.gpu_check", "--out", str(out), "--dry-run",
+                                        "--parts", ",".join(parts)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True)
+            self.runs[name] = (parts, out, process, log)
+
+    def result(self, name: str) -> dict:
+        """The JSON of dry run ``name`` once it has ended, checked as every dry run's must be."""
+        parts, out, process, log = self.runs[name]
+        returncode = process.wait(timeout=DRY_RUN_TIMEOUT_S)
+        log.seek(0)
+        assert returncode == 0, log.read()[-4000:]
+        assert [p.name for p in out.iterdir()] == ["gpu_check.json"]
+        result = json.loads((out / "gpu_check.json").read_text())
+        assert result["dry_run"] and result["emulated"] and result["ok"]
+        assert result["preflight"]["ok"] and result["preflight"]["carry"] == []
+        assert list(result["parts"]) == parts
+        return result
+
+    def close(self) -> None:
+        """End what still runs (a test that failed before waiting), with every process it started."""
+        for _, _, process, log in self.runs.values():
+            if process.poll() is None:
+                gpu_check._end(process)
+            log.close()
 
 
-@pytest.mark.extended  # (about a minute and a half: NOTE [The extended tier] in tests/conftest.py)
-def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated_device(tmp_path):
+@pytest.fixture(scope="module")
+def dry_runs(request, tmp_path_factory):
+    """The dry runs of the tests selected in this session (a test run alone starts only its own)."""
+    selected = {item.name for item in request.session.items}
+    wanted = {name: parts for name, parts, test in (
+        ("single", SINGLE_PROCESS_PARTS, test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated_device),
+        ("rank", RANK_PARTS, test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_identically))
+        if test.__name__ in selected}
+    runs = DryRuns(tmp_path_factory, wanted)
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
+@pytest.mark.extended  # (both dry runs side by side, 40-90 s: NOTE [The extended tier] in tests/conftest.py)
+def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated_device(dry_runs):
     """The dry run's parts without ranks (the rest: the multirank test below): the gpu tests plain and under the
     sanitizer (skipped here) and every probe."""
-    parts = _dry_run(tmp_path, SINGLE_PROCESS_PARTS)["parts"]
+    parts = dry_runs.result("single")["parts"]
     for name in ("gpu_tests", "gpu_tests_sanitized"):
         counts = parts[name]["counts"]
         assert counts["tests"] > 0 and counts["skipped"] == counts["tests"] and not counts["failures"]  # no GPU here
@@ -92,9 +132,9 @@ def test_the_dry_run_of_the_single_process_parts_runs_each_probe_on_the_emulated
 
 
 @pytest.mark.multirank  # (two-rank jobs: NOTE [The multi-rank tier] in tests/conftest.py)
-@pytest.mark.extended  # (about two minutes: NOTE [The extended tier] in tests/conftest.py)
-def test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_identically(tmp_path):
-    parts = _dry_run(tmp_path, RANK_PARTS)["parts"]
+@pytest.mark.extended  # (alone 80 s; after the test above, its remainder: NOTE [The extended tier] in tests/conftest.py)
+def test_the_dry_run_of_the_rank_parts_runs_megatron_and_deepspeed_jobs_bit_identically(dry_runs):
+    parts = dry_runs.result("rank")["parts"]
     for name in ("megatron_2rank", "deepspeed_2rank"):
         part = parts[name]
         assert part["comparison"]["bit_identical"], name

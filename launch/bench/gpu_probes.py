@@ -43,8 +43,10 @@ DRY_PRESET = "h200"  # the GPU the check runs on; its figures drive the emulated
 DRY_HOST_OP_S = 1e-6  # fixed host time per op on the emulated clock: the device figures repeat exactly
 RELIEF_FRACTIONS = (0.8, 0.65, 0.5, 0.4, 0.3, 0.2)
 """Capacities tried by ``relief_enforced``, as resident bytes + this share of the no-swap activation peak."""
-SHAPES = {"dry": dict(width=64, depth=3, batch=512, iterations=4, copy_mib=8),
+SHAPES = {"dry": dict(width=64, depth=3, batch=128, iterations=4, copy_mib=8),
           "cuda": dict(width=1024, depth=6, batch=4096, iterations=6, copy_mib=256)}
+"""The probes' sizes on a GPU and in the dry run (which checks the code path only: its batch of 128 keeps every
+activation far above ``min_swap_bytes``, the side-stream probe's quarter batch too)."""
 BASE_CONFIG = {"min_swap_bytes": 4096, "memory_budget": 1.0, "profiler": {"warmup_iterations": 2, "policy_trials": 2},
                "executor": {"prefetch_depth": 2}}
 
