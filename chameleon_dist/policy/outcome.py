@@ -43,11 +43,6 @@ class IterationOutcome:
         """``swaps.passive_swaps``: kept tensors the completed attempt swapped out under memory pressure."""
         return self.swaps.passive_swaps
 
-    @property
-    def peak_bytes(self) -> int:
-        """The older name of ``peak_device_bytes`` (read-only), for code written before issue 38."""
-        return self.peak_device_bytes
-
 
 @dataclasses.dataclass(frozen=True)
 class RetryAction:
