@@ -385,7 +385,7 @@ def megatron_parser() -> argparse.ArgumentParser:
 def test_megatron_args_default_to_unset():
     args = megatron_parser().parse_args([])
     chameleon_args = {k: v for k, v in vars(args).items() if k.startswith("chameleon")}
-    assert len(chameleon_args) == 9 and set(chameleon_args.values()) == {None}
+    assert len(chameleon_args) == 11 and set(chameleon_args.values()) == {None}
     assert ChameleonConfig.from_megatron_args(args) == ChameleonConfig()
     assert "chameleon" in [group.title for group in megatron_parser()._action_groups]
 

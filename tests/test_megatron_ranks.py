@@ -73,13 +73,16 @@ MIN_STABLE_ITERATIONS = 4
 # ... with a fixed host cost per op: the trials' times, and so each rank's Stable policy, are the same on every
 # machine (measured host time is noise on an emulated device that is host-bound: a rank that fits may then
 # settle on a policy that swaps everything, as fast as swapping nothing within that noise)
-STEADY_HOST = ["--chameleon-host-op-s", "2e-5"]
+# ... and fixed device rates: without them the kernel times come from this CPU's measured rates, and on a slower
+# CPU another policy wins the trials (CI: the squeezed rank's Stable policy then absorbed the squeeze unrelieved)
+FIXED_RATES = ["--chameleon-peak-flop-per-s", "75e9", "--chameleon-memory-bytes-per-s", "15e9"]
+STEADY_HOST = ["--chameleon-host-op-s", "2e-5", *FIXED_RATES]
 
 # Another tenant takes 1.6 MB of rank 0's 10 MB in iteration 8 (Stable, its policy made for the whole device):
 # the ops that run short are relieved inside the op (passive swap) and run again; one rank cannot retry an
 # iteration, so without that relief the job ends (NOTE [Relief inside the op] in device/dispatch.py). A fixed
 # host cost per op makes the policy trials, and so the Stable policy, the same on every machine.
-SQUEEZED_COMMON = [*COMMON[:1], "9", *COMMON[2:], "--pp", "2", "--chameleon-host-op-s", "2e-5"]
+SQUEEZED_COMMON = [*COMMON[:1], "9", *COMMON[2:], "--pp", "2", "--chameleon-host-op-s", "2e-5", *FIXED_RATES]
 SQUEEZED = {
     "pp2-squeezed-off": ["--no-chameleon", "--chameleon-device-capacity", UNLIMITED],
     "pp2-squeezed-on": ["--chameleon-device-capacity", "10MB", "--squeeze-rank", "0", "--squeeze-iteration", "8",

@@ -36,6 +36,8 @@ OVERRIDES: tuple[tuple[str, str, str], ...] = (
     ("--chameleon-device-capacity", "chameleon_device_capacity", "device.capacity"),
     ("--chameleon-preset", "chameleon_preset", "device.preset"),
     ("--chameleon-host-op-s", "chameleon_host_op_s", "device.host_op_s"),
+    ("--chameleon-peak-flop-per-s", "chameleon_peak_flop_per_s", "device.peak_flop_per_s"),
+    ("--chameleon-memory-bytes-per-s", "chameleon_memory_bytes_per_s", "device.memory_bytes_per_s"),
 )
 
 # flag -> (metavar, or None for an on/off flag; help sentence, completed with the setting it overrides)
@@ -50,7 +52,12 @@ _HELP: dict[str, tuple[str | None, str]] = {
     "--chameleon-device-capacity": ("SIZE", 'Device memory capacity, e.g. "2GB"; the emulated device needs it.'),
     "--chameleon-preset": ("NAME", f"Accelerator preset the emulated device models: {', '.join(KNOWN_PRESETS)}."),
     "--chameleon-host-op-s": (
-        "SECONDS", 'Host seconds per op on the emulated device, e.g. 3e-6 or "3us", for reproducible runs.'),
+        "SECONDS", 'Host seconds per op on the emulated device, e.g. 3e-6 or "3us", for reproducible runs (with a '
+                   'preset or the two rates below: else kernel times come from this CPU\'s measured rates).'),
+    "--chameleon-peak-flop-per-s": (
+        "FLOP_PER_S", "Emulated device: peak FLOP/s for every dtype (without a preset: this CPU's measured rate)."),
+    "--chameleon-memory-bytes-per-s": (
+        "BYTES_PER_S", "Emulated device: memory bandwidth (without a preset: this CPU's measured copy rate)."),
 }
 
 
