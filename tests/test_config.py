@@ -390,6 +390,12 @@ def test_megatron_args_default_to_unset():
     assert "chameleon" in [group.title for group in megatron_parser()._action_groups]
 
 
+def test_megatron_rate_flags_set_the_emulated_device_rates():
+    args = megatron_parser().parse_args(["--chameleon-peak-flop-per-s", "75e9", "--chameleon-memory-bytes-per-s", "15e9"])
+    device = ChameleonConfig.from_megatron_args(args).device
+    assert (device.peak_flop_per_s, device.memory_bytes_per_s) == (75e9, 15e9)
+
+
 def test_megatron_args_override_the_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("memory_budget: 0.5\nmin_swap_bytes: 4MiB\ndevice: {kind: emulated, capacity: 1GB}\n")

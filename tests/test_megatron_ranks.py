@@ -81,8 +81,9 @@ STEADY_HOST = ["--chameleon-host-op-s", "2e-5", *FIXED_RATES]
 # Another tenant takes 1.6 MB of rank 0's 10 MB in iteration 8 (Stable, its policy made for the whole device):
 # the ops that run short are relieved inside the op (passive swap) and run again; one rank cannot retry an
 # iteration, so without that relief the job ends (NOTE [Relief inside the op] in device/dispatch.py). A fixed
-# host cost per op makes the policy trials, and so the Stable policy, the same on every machine.
-SQUEEZED_COMMON = [*COMMON[:1], "9", *COMMON[2:], "--pp", "2", "--chameleon-host-op-s", "2e-5", *FIXED_RATES]
+# host cost per op and fixed device rates (STEADY_HOST) make the policy trials, and so the Stable policy, the same
+# on every machine.
+SQUEEZED_COMMON = [*COMMON[:1], "9", *COMMON[2:], "--pp", "2", *STEADY_HOST]
 SQUEEZED = {
     "pp2-squeezed-off": ["--no-chameleon", "--chameleon-device-capacity", UNLIMITED],
     "pp2-squeezed-on": ["--chameleon-device-capacity", "10MB", "--squeeze-rank", "0", "--squeeze-iteration", "8",
